@@ -1,0 +1,104 @@
+"""The Celery application shared by the API (which only sends wake-ups) and the workers.
+
+The store is the truth; the broker is only a wake-up. Messages are JSON and carry ids
+only. Celery is imported lazily so that importing `store` stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from store.settings import Settings
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+log = logging.getLogger(__name__)
+
+SCHEDULE_TASK = "torchyard.schedule"
+RUN_TASK = "torchyard.run_assignment"
+# Longer than any job: a late-acked message is not redelivered while its job still runs.
+VISIBILITY_TIMEOUT_S = 30 * 24 * 3600
+
+
+def control_queue(settings: Settings) -> str:
+    return f"{settings.queue_prefix}.control"
+
+
+def worker_queue(settings: Settings, worker_id: str) -> str:
+    return f"{settings.queue_prefix}.worker.{worker_id}"
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    if settings.broker.startswith("filesystem"):
+        folder = settings.broker_dir
+        for sub in ("queue", "processed", "control"):
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        return {
+            "data_folder_in": str(folder / "queue"),
+            "data_folder_out": str(folder / "queue"),
+            "processed_folder": str(folder / "processed"),
+            "control_folder": str(folder / "control"),
+            "store_processed": False,
+            "polling_interval": 0.05,
+        }
+    return {"visibility_timeout": VISIBILITY_TIMEOUT_S}
+
+
+def make_celery(settings: Settings) -> Celery:
+    from celery import Celery
+
+    app = Celery("torchyard", broker=settings.broker, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,
+        task_default_queue=control_queue(settings),
+        broker_transport_options=transport_options(settings),
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=3,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+    )
+    return app
+
+
+_apps: dict[str, Celery] = {}
+
+
+def _app(settings: Settings) -> Celery:
+    key = f"{settings.broker}|{settings.broker_dir}|{settings.queue_prefix}"
+    if key not in _apps:
+        _apps[key] = make_celery(settings)
+    return _apps[key]
+
+
+def wake_scheduler(settings: Settings) -> bool:
+    """Ask the scheduler to look at the queue now. Never raises: if the broker is down the
+    periodic tick still schedules the job, so a submit never fails for a lost wake-up."""
+    try:
+        _app(settings).send_task(
+            SCHEDULE_TASK, args=[], queue=control_queue(settings), retry=False, ignore_result=True
+        )
+        return True
+    except Exception as e:  # noqa: BLE001 - the wake-up is best effort by design
+        log.warning("scheduler wake-up not sent (%s); the periodic tick will pick the job up", e)
+        return False
+
+
+def broker_ok(settings: Settings, timeout: float = 2.0) -> bool:
+    """True when the broker accepts a connection (used by /readyz)."""
+    try:
+        with _app(settings).connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+        return True
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,71 @@
+"""Engines and sessions for PostgreSQL (psycopg 3) and SQLite (WAL, busy timeout)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+_engines: dict[str, Engine] = {}
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # Set on every connection: WAL lets readers run beside the one writer, and the
+    # busy timeout makes a second writer wait instead of failing with "locked".
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split(":///", 1)[1] if ":///" in url else ""
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        # Let SQLAlchemy, not pysqlite, open transactions, so BEGIN IMMEDIATE works.
+        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+
+        @event.listens_for(engine, "connect")
+        def _no_autobegin(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.isolation_level = None
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def get_engine(url: str) -> Engine:
+    """One engine per URL per process."""
+    if url not in _engines:
+        _engines[url] = make_engine(url)
+    return _engines[url]
+
+
+def dispose_engines() -> None:
+    for e in _engines.values():
+        e.dispose()
+    _engines.clear()
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(get_engine(url), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(url: str) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    with session_factory(url)() as s:
+        try:
+            yield s
+            s.commit()
+        except BaseException:
+            s.rollback()
+            raise

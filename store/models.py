@@ -1,0 +1,225 @@
+"""The tables. Each column has one writer (see DESIGN.md):
+
+- api: users, tokens, jobs.spec/name/owner/priority/cancel_requested, idempotency keys
+- scheduler: jobs.state queued→starting, jobs.pending_reason, attempts, assignments
+- worker: its own workers row, its attempt's state/exit, metrics, checkpoints, jobs.progress
+Every change of jobs.state goes through `store.states.transition`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# BigInteger autoincrement primary keys are INTEGER on SQLite (rowid) and BIGSERIAL on PostgreSQL.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on both databases (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime")
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class User(Base):
+    __tablename__ = "users"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    # sha256 of the token: a stolen database yields no usable token.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    world_size: Mapped[int] = mapped_column(Integer, default=1)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    max_restarts: Mapped[int] = mapped_column(Integer, default=2)
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    # 1 for the first try; a lost attempt re-queues the job with attempt + 1.
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    pending_reason: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Latest progress from the trainer: step, total_steps, epoch, samples_per_s, eta_s.
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    __table_args__ = (
+        # The scheduler's scan: queued jobs by priority then age.
+        Index("ix_jobs_state_priority_created", "state", "priority", "created_at"),
+        Index("ix_jobs_owner_created", "owner_id", "created_at"),
+    )
+
+
+class JobEvent(Base):
+    """Append-only history of a job: state changes and notable happenings (SSE reads it)."""
+
+    __tablename__ = "job_events"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    type: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Attempt(Base):
+    """One try at running a job: who ran it, when, how it ended."""
+
+    __tablename__ = "attempts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    # starting, running, succeeded, failed, lost, handed_back, cancelled
+    state: Mapped[str] = mapped_column(String(16), default="starting")
+    world_size: Mapped[int] = mapped_column(Integer, default=1)
+    rank0_endpoint: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    resumed_from: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
+
+
+class Assignment(Base):
+    """One rank of an attempt given to one worker. `claimed_at` is the lease: a worker
+    claims it with a conditional update, so a message delivered twice starts one trainer."""
+
+    __tablename__ = "assignments"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(
+        ForeignKey("attempts.id", ondelete="CASCADE"), index=True
+    )
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    worker_id: Mapped[str] = mapped_column(ForeignKey("workers.id"), index=True)
+    claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (UniqueConstraint("attempt_id", "rank", name="uq_assignments_attempt_rank"),)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    host: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    gpu: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    device: Mapped[str] = mapped_column(String(16), default="cpu")
+    device_name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    queue: Mapped[str] = mapped_column(String(200))
+    # idle, busy, lost, stopped
+    state: Mapped[str] = mapped_column(String(16), default="idle")
+    current_job_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    current_assignment_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(100))
+    step: Mapped[int] = mapped_column(BigInteger)
+    epoch: Mapped[float | None] = mapped_column(Float, nullable=True)
+    value: Mapped[float] = mapped_column(Float)
+    time: Mapped[float] = mapped_column(Float)
+
+    # Idempotent ingest: a replay after resume leaves one row per (job, name, step).
+    __table_args__ = (UniqueConstraint("job_id", "name", "step", name="uq_metrics_job_name_step"),)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    epoch: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # "resume" (full training state, .pt) or "weights" (final safetensors export)
+    kind: Mapped[str] = mapped_column(String(16), default="resume")
+    # Relative to the job's directory under the storage root; never absolute.
+    path: Mapped[str] = mapped_column(String(500))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (UniqueConstraint("job_id", "path", name="uq_checkpoints_job_path"),)
+
+
+class IdempotencyKey(Base):
+    __tablename__ = "idempotency_keys"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(200))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (UniqueConstraint("user_id", "key", name="uq_idempotency_user_key"),)

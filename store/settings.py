@@ -1,0 +1,103 @@
+"""The one settings object for every torchyard process, read from TORCHYARD_* variables.
+
+With nothing set everything lives under `./.torchyard`: a SQLite database, an
+embedded broker that needs no server, local storage and CPU workers.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DB_SCHEMES = ("sqlite", "postgresql", "postgresql+psycopg")
+BROKER_SCHEMES = ("filesystem", "redis", "rediss", "amqp", "memory")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TORCHYARD_", env_file=".env", extra="ignore", validate_default=True
+    )
+
+    home: Path = Path(".torchyard")
+    """TORCHYARD_HOME: where the embedded defaults keep their files."""
+    database_url: str | None = None
+    """TORCHYARD_DATABASE_URL: postgresql+psycopg://… or sqlite:///… (default: SQLite in home)."""
+    broker_url: str | None = None
+    """TORCHYARD_BROKER_URL: redis://… in production (default: an embedded filesystem broker)."""
+    storage_root: Path | None = None
+    """TORCHYARD_STORAGE_ROOT: job directories (run dirs, checkpoints, logs)."""
+    data_root: Path | None = None
+    """TORCHYARD_DATA_ROOT: data sets in torchvision's on-disk formats."""
+    max_world_size: int = Field(default=64, ge=1)
+    """TORCHYARD_MAX_WORLD_SIZE: largest world_size a job may ask for."""
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    """TORCHYARD_MAX_BODY_BYTES: larger request bodies get 413."""
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    """TORCHYARD_HEARTBEAT_INTERVAL_S: how often a worker reports it is alive."""
+    heartbeat_timeout_s: float = Field(default=20.0, gt=0)
+    """TORCHYARD_HEARTBEAT_TIMEOUT_S: a worker silent this long is lost and its job re-queued."""
+    cancel_grace_s: float = Field(default=10.0, ge=0)
+    """TORCHYARD_CANCEL_GRACE_S: time between SIGTERM and SIGKILL of a cancelled trainer."""
+    rendezvous_timeout_s: float = Field(default=60.0, gt=0)
+    """TORCHYARD_RENDEZVOUS_TIMEOUT_S: how long a rank waits for rank 0's endpoint."""
+    queue_prefix: str = Field(default="torchyard", pattern=r"^[A-Za-z0-9_.-]+$")
+    """TORCHYARD_QUEUE_PREFIX: prefix of every broker queue name (one prefix per cluster)."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _db_scheme(cls, v: str | None) -> str | None:
+        if v is not None and v.split(":", 1)[0] not in DB_SCHEMES:
+            raise ValueError(
+                f"TORCHYARD_DATABASE_URL must start with one of {', '.join(DB_SCHEMES)}"
+            )
+        if v is not None and v.startswith("postgresql://"):
+            v = "postgresql+psycopg://" + v.removeprefix("postgresql://")
+        return v
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_scheme(cls, v: str | None) -> str | None:
+        if v is not None and v.split(":", 1)[0] not in BROKER_SCHEMES:
+            raise ValueError(
+                f"TORCHYARD_BROKER_URL must start with one of {', '.join(BROKER_SCHEMES)}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> Settings:
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                "TORCHYARD_HEARTBEAT_TIMEOUT_S must be more than twice "
+                "TORCHYARD_HEARTBEAT_INTERVAL_S, or live workers would be reaped"
+            )
+        return self
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'torchyard.db').resolve()}"
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    @property
+    def storage(self) -> Path:
+        return (self.storage_root or self.home / "storage").resolve()
+
+    @property
+    def data(self) -> Path:
+        return (self.data_root or self.home / "data").resolve()
+
+    @property
+    def broker_dir(self) -> Path:
+        """Folder of the embedded filesystem broker."""
+        return (self.home / "broker").resolve()
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, validated once; tests call `get_settings.cache_clear()`."""
+    return Settings()

@@ -1,0 +1,70 @@
+"""Shared fixtures: real PostgreSQL and Redis, required (never skipped) under CI=true."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_ADMIN_URL = os.environ.get(
+    "TORCHYARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_HOST_PORT = os.environ.get("TORCHYARD_TEST_REDIS", "127.0.0.1:6379")
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def need_service(name: str, host: str, port: int) -> None:
+    """Skip locally when a service is down, but fail loudly under CI, where it must be up."""
+    if _reachable(host, port):
+        return
+    msg = f"{name} is not reachable at {host}:{port}"
+    if IN_CI:
+        pytest.fail(f"{msg}; CI requires it (start it, see README 'Tests')", pytrace=False)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for this test session, dropped at the end."""
+    need_service("PostgreSQL", "127.0.0.1", 5432)
+    from sqlalchemy import create_engine, text
+
+    name = f"ty_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    try:
+        yield f"{base}/{name}"
+    finally:
+        from store.db import dispose_engines
+
+        dispose_engines()
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """Real Redis; a random database index keeps parallel runs apart."""
+    host, port = REDIS_HOST_PORT.rsplit(":", 1)
+    need_service("Redis", host, int(port))
+    return f"redis://{host}:{port}/{uuid.uuid4().int % 15 + 1}"
+
+
+@pytest.fixture
+def queue_prefix() -> str:
+    """A broker queue prefix unique to one test, so tests never consume each other's tasks."""
+    return f"tytest-{uuid.uuid4().hex[:10]}"

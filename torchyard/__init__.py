@@ -1,0 +1,1 @@
+"""The `torchyard` command: one entry point that dispatches to the service and the client."""

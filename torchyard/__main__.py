@@ -1,0 +1,5 @@
+import sys
+
+from torchyard.cli import main
+
+sys.exit(main())

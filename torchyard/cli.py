@@ -1,0 +1,53 @@
+"""`torchyard <command> …`: each command lives in the package it belongs to and is
+imported only when run, so `torchyard status` never loads torch or the server."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, function, one-line help). Each function takes argv (after the command).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "up": ("torchyard.up", "main", "start the API, the scheduler and N workers in one command"),
+    "api": ("api.cli", "main", "serve the REST API"),
+    "scheduler": ("worker.cli", "scheduler_main", "run the scheduler (control queue consumer)"),
+    "worker": ("worker.cli", "worker_main", "run one worker pinned to a GPU (or --device cpu)"),
+    "db": ("store.cli", "db_main", "database administration: `db upgrade`"),
+    "token": ("store.cli", "token_main", "API tokens: `token create --user NAME [--admin]`"),
+    "submit": ("client.cli", "main", "submit a job spec (JSON or YAML)"),
+    "status": ("client.cli", "main", "show a job"),
+    "list": ("client.cli", "main", "list jobs"),
+    "cancel": ("client.cli", "main", "cancel a job"),
+    "logs": ("client.cli", "main", "show a job's log"),
+    "metrics": ("client.cli", "main", "show a job's metrics"),
+    "download": ("client.cli", "main", "download a checkpoint"),
+    "workers": ("client.cli", "main", "list workers"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: torchyard <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {h}" for name, (_, _, h) in COMMANDS.items()]
+    lines += ["", "`torchyard <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    cmd = argv[0]
+    if cmd not in COMMANDS:
+        print(f"torchyard: unknown command '{cmd}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[cmd]
+    fn = getattr(importlib.import_module(module), func)
+    # Client commands parse the command name themselves; server commands get the rest.
+    rc = fn(argv) if module == "client.cli" else fn(argv[1:])
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

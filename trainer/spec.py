@@ -1,0 +1,306 @@
+"""The v1 job spec: what a user may ask of a training job.
+
+This module imports pydantic only, never torch: the API validates specs with it
+without loading torch, and the trainer reads the same models.
+
+`parse_spec(obj)` is the one entry point. Every problem in a spec is reported
+at once as a `SpecError` whose `problems` are `(field, message)` pairs, the
+field written as a dotted path (`optimizer.lr`, `model.hidden.0`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+SPEC_VERSION = 1
+
+ModelName = Literal["mlp", "lenet", "resnet18"]
+DataName = Literal["digits", "mnist", "fashion_mnist", "cifar10", "synthetic"]
+OptimizerName = Literal["sgd", "adam", "adamw"]
+ScheduleName = Literal["constant", "cosine", "onecycle"]
+Precision = Literal["auto", "fp32", "fp16", "bf16"]
+
+# Data sets that ship a held-out test split; the others are split by val_fraction.
+DATASETS_WITH_TEST_SPLIT = frozenset({"mnist", "fashion_mnist", "cifar10"})
+# Default learning rate per optimizer when the spec gives none.
+DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    # Unknown fields are errors; no silent coercion of "128" into 128 or 1 into True.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _problems(problems: list[tuple[str, str]]) -> None:
+    """Raise all cross-field problems of one section together."""
+    if problems:
+        raise PydanticCustomError(
+            "spec_problems", "; ".join(m for _, m in problems), {"problems": problems}
+        )
+
+
+class ModelSpec(_Strict):
+    name: ModelName
+    """Architecture: `mlp`, `lenet` (conv 6-16, fc 120-84) or `resnet18` (small-image stem)."""
+    hidden: list[PositiveInt] | None = Field(default=None, max_length=16)
+    """Hidden layer widths of the `mlp` (default [128]); not allowed for other models."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        problems = []
+        if self.hidden is not None and self.name != "mlp":
+            problems.append(("hidden", f"only applies to model 'mlp', not '{self.name}'"))
+        if self.hidden is not None and any(h > 65536 for h in self.hidden):
+            problems.append(("hidden", "each width must be <= 65536"))
+        _problems(problems)
+        return self
+
+    @property
+    def hidden_sizes(self) -> list[int]:
+        return list(self.hidden) if self.hidden is not None else [128]
+
+
+class DataSpec(_Strict):
+    name: DataName
+    """`digits` (bundled with scikit-learn), `mnist`, `fashion_mnist`, `cifar10` (read from
+    the server's data root), or `synthetic` (deterministic, learnable, any shape)."""
+    val_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
+    """Share of the training set held out for validation when the set has no test split."""
+    shape: list[PositiveInt] | None = Field(default=None, min_length=1, max_length=3)
+    """`synthetic` only: sample shape, e.g. [1, 28, 28] (default) or [3, 32, 32]."""
+    num_classes: int | None = Field(default=None, ge=2, le=100_000)
+    """`synthetic` only: number of classes (default 10)."""
+    size: int | None = Field(default=None, ge=2, le=10_000_000)
+    """`synthetic` only: number of samples (default 60000)."""
+    loader: Literal["auto", "device", "dataloader"] = "auto"
+    """`device`: whole set as tensors on the device; `dataloader`: torch DataLoader with
+    workers; `auto`: device when it fits in a quarter of device memory."""
+    num_workers: int = Field(default=2, ge=0, le=64)
+    """DataLoader worker processes (only with the `dataloader` path)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        problems = []
+        if self.name != "synthetic":
+            for f in ("shape", "num_classes", "size"):
+                if getattr(self, f) is not None:
+                    problems.append((f, f"only applies to data 'synthetic', not '{self.name}'"))
+        elif self.shape is not None and self.numel > 16_777_216:
+            problems.append(("shape", "a sample may hold at most 16777216 values"))
+        _problems(problems)
+        return self
+
+    @property
+    def sample_shape(self) -> list[int]:
+        return list(self.shape) if self.shape is not None else [1, 28, 28]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.sample_shape:
+            n *= d
+        return n
+
+    @property
+    def classes(self) -> int:
+        return self.num_classes if self.num_classes is not None else 10
+
+    @property
+    def samples(self) -> int:
+        return self.size if self.size is not None else 60_000
+
+
+class OptimizerSpec(_Strict):
+    name: OptimizerName
+    lr: float | None = Field(default=None, gt=0.0, le=10.0)
+    """Peak learning rate (default 0.01 for sgd, 0.001 for adam/adamw)."""
+    momentum: float | None = Field(default=None, ge=0.0, lt=1.0)
+    """`sgd` only (default 0.9)."""
+    nesterov: bool = False
+    """`sgd` only."""
+    betas: list[Annotated[float, Field(ge=0.0, lt=1.0)]] | None = Field(
+        default=None, min_length=2, max_length=2
+    )
+    """`adam`/`adamw` only (default [0.9, 0.999])."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerSpec:
+        problems = []
+        if self.name != "sgd":
+            if self.momentum is not None:
+                problems.append(("momentum", f"only applies to 'sgd', not '{self.name}'"))
+            if self.nesterov:
+                problems.append(("nesterov", f"only applies to 'sgd', not '{self.name}'"))
+        elif self.betas is not None:
+            problems.append(("betas", "only applies to 'adam' and 'adamw', not 'sgd'"))
+        if self.name == "sgd" and self.nesterov and self.momentum == 0.0:
+            problems.append(("nesterov", "needs momentum > 0"))
+        _problems(problems)
+        return self
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.name]
+
+    @property
+    def sgd_momentum(self) -> float:
+        return self.momentum if self.momentum is not None else 0.9
+
+    @property
+    def adam_betas(self) -> tuple[float, float]:
+        b = self.betas if self.betas is not None else [0.9, 0.999]
+        return (b[0], b[1])
+
+
+class ScheduleSpec(_Strict):
+    name: ScheduleName = "constant"
+    warmup_steps: int = Field(default=0, ge=0, le=10_000_000)
+    """Linear warm-up from 0 to the peak lr over this many optimizer steps."""
+    min_lr_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    """`cosine`: final lr as a fraction of the peak."""
+
+
+class CheckpointSpec(_Strict):
+    every_epochs: int | None = Field(default=1, ge=1)
+    """Save at the end of every N epochs (null: never by epoch)."""
+    every_steps: int | None = Field(default=None, ge=1)
+    """Save every N optimizer steps (null: never by step)."""
+    keep_last: int = Field(default=3, ge=1, le=1000)
+    """Resume checkpoints kept on disk; older ones are deleted."""
+
+
+class JobSpec(_Strict):
+    """A training job. Only `model`, `data` and `optimizer` are required."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[\w.\- ]+$")
+    """Display name (default: `<data>-<model>`)."""
+    model: ModelSpec
+    data: DataSpec
+    optimizer: OptimizerSpec
+    schedule: ScheduleSpec = ScheduleSpec()
+    batch_size: int = Field(default=128, ge=1, le=1_048_576)
+    """Global batch: with world_size N each rank takes batch_size / N."""
+    epochs: int = Field(default=5, ge=1, le=100_000)
+    max_steps: int | None = Field(default=None, ge=1)
+    """Stop after this many optimizer steps even if epochs remain."""
+    precision: Precision = "auto"
+    world_size: int = Field(default=1, ge=1, le=1024)
+    """GPUs (workers) the job needs; > 1 runs DDP, gang-scheduled."""
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    eval_every_epochs: int = Field(default=1, ge=0)
+    """Evaluate every N epochs (0: only at the end)."""
+    log_every_steps: int = Field(default=10, ge=1)
+    """Emit the running train/loss every N optimizer steps."""
+    grad_clip: float | None = Field(default=None, gt=0.0)
+    """Clip the global gradient norm to this value."""
+    channels_last: bool = False
+    """Use channels_last memory format for image models (a GPU speed-up)."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    max_restarts: int = Field(default=2, ge=0, le=100)
+    """Lost attempts retried (resuming from the latest checkpoint) before the job fails."""
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    """Higher runs first; ties go to the oldest job."""
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        problems = []
+        if self.batch_size % self.world_size:
+            problems.append(
+                ("batch_size", f"must be divisible by world_size ({self.world_size})")
+            )
+        _problems(problems)
+        return self
+
+    @property
+    def display_name(self) -> str:
+        return self.name or f"{self.data.name}-{self.model.name}"
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.batch_size // self.world_size
+
+
+class SpecError(ValueError):
+    """A spec with one or more problems; `problems` lists `(field, message)` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
+
+
+def _friendly(err: dict[str, Any]) -> str:
+    t, ctx = err["type"], err.get("ctx") or {}
+    match t:
+        case "missing":
+            return "required"
+        case "extra_forbidden":
+            return "unknown field"
+        case "greater_than":
+            return f"must be > {ctx['gt']}"
+        case "greater_than_equal":
+            return f"must be >= {ctx['ge']}"
+        case "less_than":
+            return f"must be < {ctx['lt']}"
+        case "less_than_equal":
+            return f"must be <= {ctx['le']}"
+        case "literal_error":
+            return f"must be one of {ctx['expected']}"
+        case "int_type" | "int_parsing" | "int_from_float":
+            return "must be an integer"
+        case "float_type" | "float_parsing":
+            return "must be a number"
+        case "bool_type" | "bool_parsing":
+            return "must be true or false"
+        case "string_type":
+            return "must be a string"
+        case "list_type":
+            return "must be a list"
+        case "model_type" | "model_attributes_type" | "dict_type":
+            return "must be an object"
+        case "too_short":
+            return f"must have at least {ctx.get('min_length')} item(s)"
+        case "too_long":
+            return f"must have at most {ctx.get('max_length')} item(s)"
+        case "string_too_short":
+            return "must not be empty"
+        case "string_too_long":
+            return f"must be at most {ctx.get('max_length')} characters"
+        case "string_pattern_mismatch":
+            return "may hold only letters, digits, spaces, '.', '_' and '-'"
+        case "finite_number":
+            return "must be a finite number"
+    return str(err["msg"])
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc) or "spec"
+
+
+def parse_spec(obj: Any) -> JobSpec:
+    """Validate a decoded JSON/YAML object as a JobSpec, or raise SpecError listing every problem."""
+    if not isinstance(obj, dict):
+        raise SpecError([("spec", "must be a JSON object")])
+    try:
+        return JobSpec.model_validate(obj)
+    except ValidationError as e:
+        problems: list[tuple[str, str]] = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            if err["type"] == "spec_problems":
+                problems += [(_path((*loc, f)), m) for f, m in err["ctx"]["problems"]]
+            else:
+                problems.append((_path(loc), _friendly(err)))
+        raise SpecError(problems) from None
+
+
+def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
+    """The spec as plain JSON types, with every default written out."""
+    return spec.model_dump(mode="json")
