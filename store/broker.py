@@ -89,7 +89,7 @@ def wake_scheduler(settings: Settings) -> bool:
             SCHEDULE_TASK, args=[], queue=control_queue(settings), retry=False, ignore_result=True
         )
         return True
-    except Exception as e:  # noqa: BLE001 - the wake-up is best effort by design
+    except Exception as e:  # the wake-up is best effort by design
         log.warning("scheduler wake-up not sent (%s); the periodic tick will pick the job up", e)
         return False
 
@@ -100,5 +100,5 @@ def broker_ok(settings: Settings, timeout: float = 2.0) -> bool:
         with _app(settings).connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=timeout)
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False

@@ -213,9 +213,7 @@ class JobSpec(_Strict):
     def _check(self) -> JobSpec:
         problems = []
         if self.batch_size % self.world_size:
-            problems.append(
-                ("batch_size", f"must be divisible by world_size ({self.world_size})")
-            )
+            problems.append(("batch_size", f"must be divisible by world_size ({self.world_size})"))
         _problems(problems)
         return self
 
