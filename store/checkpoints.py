@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from store.models import Checkpoint
-from store.paths import UnsafePath
+from store.paths import UnsafePath, job_dir, resolve_inside
 
 
 def record_checkpoint(
@@ -34,3 +36,47 @@ def record_checkpoint(
     row.bytes, row.sha256, row.kind, row.deleted = bytes, sha256, kind, False
     session.flush()
     return row
+
+
+def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
+    """A job's checkpoints still on record (not deleted), oldest step first."""
+    return list(
+        session.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.job_id == job_id, Checkpoint.deleted.is_(False))
+            .order_by(Checkpoint.step, Checkpoint.id)
+        )
+    )
+
+
+def get_checkpoint(session: Session, job_id: str, checkpoint_id: int) -> Checkpoint | None:
+    return session.scalar(
+        select(Checkpoint).where(
+            Checkpoint.job_id == job_id,
+            Checkpoint.id == checkpoint_id,
+            Checkpoint.deleted.is_(False),
+        )
+    )
+
+
+def latest_checkpoint(session: Session, job_id: str, kind: str = "resume") -> Checkpoint | None:
+    """The newest (highest step, then newest record) non-deleted checkpoint of `kind`."""
+    return session.scalar(
+        select(Checkpoint)
+        .where(
+            Checkpoint.job_id == job_id,
+            Checkpoint.kind == kind,
+            Checkpoint.deleted.is_(False),
+        )
+        .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        .limit(1)
+    )
+
+
+def checkpoint_file(storage_root: Path, row: Checkpoint) -> Path:
+    """The file of a checkpoint, checked to lie inside its job's directory (symlinks
+    resolved). Raises UnsafePath when it would leave it, FileNotFoundError when gone."""
+    target = resolve_inside(job_dir(storage_root, row.job_id), row.path)
+    if not target.is_file():
+        raise FileNotFoundError(row.path)
+    return target

@@ -194,6 +194,23 @@ class Metric(Base):
     __table_args__ = (UniqueConstraint("job_id", "name", "step", name="uq_metrics_job_name_step"),)
 
 
+class MetricBlock(Base):
+    """Rollup of a metric over aligned blocks of `level` steps (64 and 4096), kept by
+    `store.metrics.ingest_metrics`, so that downsampling a million-point curve reads a few
+    thousand rows instead of every point."""
+
+    __tablename__ = "metric_blocks"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # steps block * level .. (block + 1) * level - 1
+    block: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    vmin: Mapped[float] = mapped_column(Float)
+    vmax: Mapped[float] = mapped_column(Float)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    n: Mapped[int] = mapped_column(Integer)
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -1,0 +1,107 @@
+"""The FastAPI application: `create_app(settings)` builds one; `torchyard api` serves it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy.orm import Session, sessionmaker
+
+from api import errors
+from api.deps import TokenCache
+from api.middleware import BodyLimit, PrometheusMetrics
+from api.routers import checkpoints, health, job_data, jobs, workers
+from store.db import get_engine, session_factory
+from store.inventory import job_counts, worker_counts
+from store.settings import Settings, get_settings
+from trainer.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+FEED_POLL_S = 0.5
+
+
+class _StoreCollector(Collector):
+    """Jobs and workers by state, read from the store at scrape time."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs_g = GaugeMetricFamily("torchyard_jobs", "jobs by state", labels=["state"])
+        workers_g = GaugeMetricFamily("torchyard_workers", "workers by state", labels=["state"])
+        try:
+            with self.app.state.sessions() as session:
+                for state, n in job_counts(session).items():
+                    jobs_g.add_metric([state], n)
+                for state, n in worker_counts(session).items():
+                    workers_g.add_metric([state], n)
+        except Exception as e:  # a scrape must not fail because the store is down
+            log.warning("metrics: store unreachable: %s", e)
+        yield jobs_g
+        yield workers_g
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the job spec (the submit body is validated by
+    trainer.spec, not by FastAPI, so that every problem is reported in its words)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title,
+        version=app.version,
+        description=app.description,
+        routes=app.routes,
+        tags=app.openapi_tags,
+    )
+    spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name, sub in spec_schema.pop("$defs", {}).items():
+        components.setdefault(name, sub)
+    components["JobSpec"] = spec_schema
+    app.openapi_schema = schema
+    return schema
+
+
+def _read_sessions(url: str) -> sessionmaker[Session]:
+    """Sessions for single-statement reads. On PostgreSQL in autocommit: no BEGIN and no
+    ROLLBACK round trips (one statement is one snapshot anyway). SQLite keeps the usual
+    sessions (its engine opens every transaction itself)."""
+    engine = get_engine(url)
+    if engine.dialect.name != "postgresql":
+        return session_factory(url)
+    return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    app = FastAPI(
+        title="torchyard",
+        version="1",
+        description="Run PyTorch training jobs on a shared pool of GPUs. Every route but "
+        "/healthz and /readyz needs `Authorization: Bearer <token>`. Errors are "
+        '`{"error": {"code", "message", "details"}}`.',
+    )
+    app.state.settings = settings
+    app.state.sessions = session_factory(settings.db_url)
+    app.state.read_sessions = _read_sessions(settings.db_url)
+    app.state.token_cache = TokenCache()
+    app.state.feed_poll_s = FEED_POLL_S
+    registry = CollectorRegistry()
+    registry.register(_StoreCollector(app))
+    app.state.prometheus = registry
+
+    errors.install(app)
+    for module in (jobs, job_data, checkpoints, workers, health):
+        app.include_router(module.router)
+    # Outermost first: the size limit runs before anything reads a body.
+    app.add_middleware(PrometheusMetrics, registry=registry)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app

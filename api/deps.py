@@ -1,0 +1,113 @@
+"""What routes get injected: settings, a database session, and the authenticated user.
+
+Tokens are looked up by their hash; a hit is cached in the process for a few seconds
+(TOKEN_CACHE_TTL_S), so the hot read routes cost no token query. A revoked token may
+therefore keep working for up to that long in a running API process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from api.errors import ApiError
+from store.auth import hash_token, user_for_token
+from store.jobs import Viewer
+from store.settings import Settings
+
+TOKEN_CACHE_TTL_S = 5.0
+TOKEN_CACHE_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class Principal:
+    id: int
+    name: str
+    is_admin: bool
+
+    @property
+    def viewer(self) -> Viewer:
+        return Viewer(self.id, self.is_admin)
+
+
+class TokenCache:
+    """Positive lookups only (an unknown token always reaches the database), bounded."""
+
+    def __init__(self, ttl_s: float = TOKEN_CACHE_TTL_S, max_entries: int = TOKEN_CACHE_MAX):
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._entries: dict[str, tuple[float, Principal]] = {}
+
+    def get(self, token_hash: str) -> Principal | None:
+        hit = self._entries.get(token_hash)
+        if hit is None or hit[0] < time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, token_hash: str, principal: Principal) -> None:
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        self._entries[token_hash] = (time.monotonic() + self.ttl_s, principal)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+bearer = HTTPBearer(
+    auto_error=False,
+    description="an API token from `torchyard token create --user NAME`",
+)
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    """A session for one request; nothing is committed unless the route commits."""
+    factory: sessionmaker[Session] = request.app.state.sessions
+    session = factory()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def _lookup(factory: sessionmaker[Session], token: str) -> Principal | None:
+    with factory() as session:
+        user = user_for_token(session, token)
+        return Principal(user.id, user.name, user.is_admin) if user is not None else None
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def current_user(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Principal:
+    if credentials is None or not credentials.credentials:
+        raise _unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    token = credentials.credentials
+    key = hash_token(token)
+    cache: TokenCache = request.app.state.token_cache
+    principal = cache.get(key)
+    if principal is None:
+        principal = await run_in_threadpool(_lookup, request.app.state.sessions, token)
+        if principal is None:
+            raise _unauthorized("unknown or revoked token")
+        cache.put(key, principal)
+    return principal
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+CurrentUser = Annotated[Principal, Depends(current_user)]

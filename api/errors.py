@@ -1,0 +1,157 @@
+"""One error shape for every failure: `{"error": {"code", "message", "details"}}`.
+
+ApiError is raised by routes; the handlers below also turn FastAPI's own errors
+(validation, 404 for unknown routes, 405) and the store's (illegal transition) into it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.schemas import ErrorBody
+from store.states import IllegalTransition
+
+log = logging.getLogger(__name__)
+
+CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    416: "range_not_satisfiable",
+    422: "validation_error",
+    500: "internal_error",
+    503: "unavailable",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        details: Any = None,
+        headers: dict[str, str] | None = None,
+    ):
+        self.status, self.message, self.details = status, message, details
+        self.code = code or CODES.get(status, "error")
+        self.headers = headers
+        super().__init__(message)
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    details: Any = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {
+        "error": {
+            "code": code or CODES.get(status, "error"),
+            "message": message,
+            "details": details,
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_error(problems: list[tuple[str, str]], what: str = "request") -> ApiError:
+    """422 naming every problem: the message lists them, details has one entry each."""
+    listed = "; ".join(f"{f}: {m}" for f, m in problems)
+    return ApiError(
+        422,
+        f"invalid {what}: {listed}",
+        details=[{"field": f, "message": m} for f, m in problems],
+    )
+
+
+def not_found(what: str = "job") -> ApiError:
+    return ApiError(404, f"{what} not found")
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    # ("query", "limit") -> "limit"; ("body", "x", 0) -> "body.x.0"
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("query", "path", "header", "cookie") and len(parts) > 1:
+        parts = parts[1:]
+    return ".".join(parts) or "request"
+
+
+async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(
+        exc.status, exc.message, code=exc.code, details=exc.details, headers=exc.headers
+    )
+
+
+async def _request_validation(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [
+        (_field(tuple(e.get("loc", ()))), str(e.get("msg", "invalid"))) for e in exc.errors()
+    ]
+    err = validation_error(problems)
+    return error_response(err.status, err.message, details=err.details)
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    message = exc.detail if isinstance(exc.detail, str) else CODES.get(exc.status_code, "error")
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+
+async def _illegal_transition(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, IllegalTransition)
+    return error_response(
+        409,
+        str(exc),
+        code="illegal_transition",
+        details={"state": exc.from_state, "requested": exc.to_state},
+    )
+
+
+async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
+    log.warning("database error: %s", exc)
+    return error_response(503, "the database is unavailable; retry shortly")
+
+
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(500, "internal error; the server log has the details")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(IllegalTransition, _illegal_transition)
+    app.add_exception_handler(OperationalError, _database_down)
+    app.add_exception_handler(InterfaceError, _database_down)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` entries documenting the error body for each status."""
+    descriptions = {
+        401: "missing, unknown or revoked bearer token",
+        404: "no such job (or not yours), or no such file",
+        409: "conflict: illegal state transition, or Idempotency-Key reused with another spec",
+        413: "request body over the configured limit",
+        416: "range not satisfiable",
+        422: "invalid request; details lists every problem as {field, message}",
+        503: "store or broker unreachable",
+    }
+    return {s: {"model": ErrorBody, "description": descriptions.get(s, CODES[s])} for s in statuses}

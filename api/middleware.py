@@ -1,0 +1,134 @@
+"""Pure ASGI middleware (cheap on the hot path): a request-body size limit answered with
+413, and Prometheus request counters and latency histograms per route template."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _too_large_body(limit: int) -> bytes:
+    return json.dumps(
+        {
+            "error": {
+                "code": "payload_too_large",
+                "message": f"request body over {limit} bytes (TORCHYARD_MAX_BODY_BYTES)",
+                "details": {"limit_bytes": limit},
+            }
+        }
+    ).encode()
+
+
+class BodyLimit:
+    """413 for a declared Content-Length over the limit before reading anything, and for
+    a streamed (chunked) body as soon as it passes the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _reject(self, send: Send) -> None:
+        body = _too_large_body(self.max_bytes)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_bytes:
+                    await self._reject(send)
+                    return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._reject(send)
+
+
+class PrometheusMetrics:
+    """Counts requests and times them by method, route template and status."""
+
+    def __init__(self, app: ASGIApp, registry: CollectorRegistry):
+        self.app = app
+        self.requests = Counter(
+            "torchyard_http_requests",
+            "HTTP requests served",
+            ["method", "route", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "torchyard_http_request_duration_seconds",
+            "time to the start of the response",
+            ["method", "route"],
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                route = _route(scope)
+                self.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            self.requests.labels(scope["method"], _route(scope), str(status)).inc()
+
+
+def _route(scope: dict[str, Any]) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    # Templates only ("/v1/jobs/{job_id}"): raw paths would make unbounded label sets.
+    return path if isinstance(path, str) else "unmatched"

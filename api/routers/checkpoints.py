@@ -1,0 +1,118 @@
+"""A job's checkpoints: the list, and resumable downloads."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import PurePosixPath
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Query, Response
+
+from api.deps import CurrentUser, SessionDep, SettingsDep
+from api.errors import ApiError, not_found, responses
+from api.files import file_response
+from api.schemas import CheckpointList, CheckpointOut
+from store.checkpoints import checkpoint_file, get_checkpoint, latest_checkpoint, list_checkpoints
+from store.jobs import get_job
+from store.paths import UnsafePath
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])
+
+
+@router.get(
+    "/{job_id}/checkpoints",
+    response_model=CheckpointList,
+    summary="List checkpoints",
+    description="Every checkpoint still on record, oldest step first (`next_cursor` is "
+    "always null: the list is short).",
+    responses=responses(401, 404, 503),
+)
+def list_checkpoints_route(
+    job_id: str, user: CurrentUser, session: SessionDep, settings: SettingsDep
+) -> CheckpointList:
+    if get_job(session, user.viewer, job_id) is None:
+        raise not_found()
+    items = []
+    for row in list_checkpoints(session, job_id):
+        try:
+            checkpoint_file(settings.storage, row)
+            available = True
+        except (UnsafePath, OSError):
+            available = False
+        items.append(
+            CheckpointOut(
+                id=row.id,
+                step=row.step,
+                epoch=row.epoch,
+                kind=row.kind,
+                bytes=row.bytes,
+                sha256=row.sha256,
+                attempt=row.attempt,
+                path=row.path,
+                created_at=row.created_at,
+                available=available,
+            )
+        )
+    return CheckpointList(items=items, next_cursor=None)
+
+
+@router.get(
+    "/{job_id}/checkpoints/{checkpoint}/download",
+    response_class=Response,
+    summary="Download a checkpoint",
+    description=(
+        "`checkpoint` is an id from the list, or `latest`: the newest (highest step) "
+        "checkpoint of `kind` (default `resume`, the full training state; `weights` is the "
+        "final safetensors export). Sends Content-Length, `ETag` (the quoted sha256) and "
+        "`Accept-Ranges`. One byte range (`Range: bytes=a-b`, `a-`, `-n`) gives 206 with "
+        "Content-Range, a range past the end 416; several ranges are ignored (200, whole "
+        "file). `If-None-Match` with the ETag gives 304; `If-Range` is honoured. A stored "
+        "path that resolves outside the job's directory is refused (404), never served."
+    ),
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "the whole file"},
+        206: {"content": {"application/octet-stream": {}}, "description": "one byte range"},
+        304: {"description": "If-None-Match matched the ETag"},
+        **responses(401, 404, 416, 422, 503),
+    },
+)
+def download_checkpoint(
+    job_id: str,
+    checkpoint: str,
+    user: CurrentUser,
+    session: SessionDep,
+    settings: SettingsDep,
+    kind: Annotated[Literal["resume", "weights"], Query()] = "resume",
+    range_: Annotated[str | None, Header(alias="Range", max_length=200)] = None,
+    if_range: Annotated[str | None, Header(alias="If-Range", max_length=200)] = None,
+    if_none_match: Annotated[str | None, Header(alias="If-None-Match", max_length=1000)] = None,
+) -> Response:
+    if get_job(session, user.viewer, job_id) is None:
+        raise not_found()
+    if checkpoint == "latest":
+        row = latest_checkpoint(session, job_id, kind)
+    elif checkpoint.isdigit() and len(checkpoint) <= 9:
+        row = get_checkpoint(session, job_id, int(checkpoint))
+    else:
+        row = None
+    if row is None:
+        raise not_found("checkpoint")
+    try:
+        path = checkpoint_file(settings.storage, row)
+    except UnsafePath as e:
+        log.warning("refused to serve checkpoint %s of job %s: %s", row.id, job_id, e)
+        raise ApiError(
+            404, "checkpoint file refused: its path leaves the job's directory", code="file_refused"
+        ) from None
+    except OSError:
+        raise ApiError(404, "checkpoint file is no longer on disk", code="file_gone") from None
+    name = f"{job_id}-{PurePosixPath(row.path).name}"
+    return file_response(
+        path,
+        etag=f'"{row.sha256}"',
+        filename=name,
+        range_header=range_,
+        if_range=if_range,
+        if_none_match=if_none_match,
+    )

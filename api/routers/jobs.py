@@ -1,0 +1,225 @@
+"""Submit, list, show and cancel jobs."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import CurrentUser, Principal, SessionDep, SettingsDep
+from api.errors import ApiError, not_found, responses, validation_error
+from api.schemas import JobList, JobOut
+from api.views import job_from_snapshot, job_out, job_summary
+from store import broker
+from store.jobs import (
+    BadCursor,
+    IdempotencyConflict,
+    create_job,
+    get_job,
+    job_snapshot,
+    list_jobs,
+    request_cancel,
+)
+from store.settings import Settings
+from store.states import STATES
+from trainer import spec as job_spec
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+SUBMIT_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "a job spec (v1); only model, data and optimizer are required",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}},
+    }
+}
+
+
+def _missing_dataset_files(name: str, settings: Settings) -> list[str]:
+    check = getattr(job_spec, "missing_dataset_files", None)
+    if check is None:  # older trainer/spec.py: nothing to check against
+        return []
+    return [str(p) for p in check(name, settings.data)]
+
+
+def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> list[tuple[str, str]]:
+    """What only the server knows: the data set is on disk, the world size is allowed."""
+    problems = []
+    missing = _missing_dataset_files(spec.data.name, settings)
+    if missing:
+        problems.append(
+            (
+                "data.name",
+                f"data set '{spec.data.name}' is not on the server; looked for "
+                + ", ".join(missing),
+            )
+        )
+    if spec.world_size > settings.max_world_size:
+        problems.append(
+            (
+                "world_size",
+                f"must be <= {settings.max_world_size} (TORCHYARD_MAX_WORLD_SIZE)",
+            )
+        )
+    return problems
+
+
+def _store_job(
+    factory: sessionmaker[Session],
+    user: Principal,
+    spec: dict[str, Any],
+    name: str,
+    key: str | None,
+) -> tuple[JobOut, bool]:
+    with factory() as session:
+        job, created = create_job(session, user.id, spec, name=name, idempotency_key=key)
+        session.commit()
+        return job_out(session, job, user.name), created
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobOut,
+    summary="Submit a job",
+    description=(
+        "Validates the spec (every problem at once, 422), checks the data set is on the "
+        "server and the world size is allowed, stores a queued job and wakes the scheduler. "
+        "With `Idempotency-Key`: a retry with the same spec returns the original job with "
+        "200; the same key with a different spec is 409."
+    ),
+    responses={
+        200: {"model": JobOut, "description": "the job first created with this Idempotency-Key"},
+        **responses(401, 409, 413, 422, 503),
+    },
+    openapi_extra=SUBMIT_BODY,
+)
+async def submit_job(
+    request: Request,
+    response: Response,
+    user: CurrentUser,
+    settings: SettingsDep,
+    background: BackgroundTasks,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=200,
+            description="any client-chosen string; a retry with it returns the same job",
+        ),
+    ] = None,
+) -> JobOut:
+    raw = await request.body()
+    try:
+        obj = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise validation_error([("body", f"not valid JSON: {e}")], "spec") from None
+    try:
+        spec = job_spec.parse_spec(obj)
+    except job_spec.SpecError as e:
+        raise validation_error(e.problems, "spec") from None
+    problems = _server_checks(spec, settings)
+    if problems:
+        raise validation_error(problems, "spec")
+    try:
+        job, created = await run_in_threadpool(
+            _store_job,
+            request.app.state.sessions,
+            user,
+            job_spec.spec_to_dict(spec),
+            spec.display_name,
+            idempotency_key,
+        )
+    except IdempotencyConflict as e:
+        raise ApiError(
+            409, str(e), code="idempotency_conflict", details={"job_id": e.job_id}
+        ) from None
+    if created:
+        background.add_task(broker.wake_scheduler, settings)
+    else:
+        response.status_code = 200
+    return job
+
+
+@router.get(
+    "",
+    response_model=JobList,
+    summary="List jobs",
+    description="Newest first; admins see every user's jobs. Follow `next_cursor` for more.",
+    responses=responses(401, 422, 503),
+)
+def list_jobs_route(
+    user: CurrentUser,
+    session: SessionDep,
+    state: Annotated[
+        list[str] | None,
+        Query(description="only jobs in these states (repeat, or comma-separated)"),
+    ] = None,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> JobList:
+    states = [s.strip() for v in state or [] for s in v.split(",") if s.strip()]
+    bad = [s for s in states if s not in STATES]
+    if bad:
+        raise validation_error([("state", f"unknown state(s) {bad}; one of {list(STATES)}")])
+    try:
+        page, next_cursor = list_jobs(
+            session, user.viewer, states=states, cursor=cursor, limit=limit
+        )
+    except BadCursor as e:
+        raise validation_error([("cursor", str(e))]) from None
+    return JobList(items=[job_summary(j, owner) for j, owner in page], next_cursor=next_cursor)
+
+
+@router.get(
+    "/{job_id}",
+    response_model=JobOut,
+    summary="Show a job",
+    description="State, attempt, progress, pending reason, error, timestamps, "
+    "the newest point of every metric, and every attempt.",
+    responses=responses(401, 404, 503),
+)
+async def get_job_route(job_id: str, request: Request, user: CurrentUser) -> Response:
+    # The hot read path: one statement in one worker-thread hop, serialised once.
+    snapshot = await run_in_threadpool(_snapshot, request.app.state.read_sessions, user, job_id)
+    if snapshot is None:
+        raise not_found()
+    return Response(snapshot.model_dump_json(), media_type="application/json")
+
+
+def _snapshot(factory: sessionmaker[Session], user: Principal, job_id: str) -> JobOut | None:
+    with factory() as session:
+        row = job_snapshot(session, user.viewer, job_id)
+    return job_from_snapshot(row) if row is not None else None
+
+
+@router.post(
+    "/{job_id}/cancel",
+    status_code=202,
+    response_model=JobOut,
+    summary="Cancel a job",
+    description="A queued job is cancelled at once; a starting or running one goes to "
+    "`cancelling` and its worker stops the trainer. Idempotent; 409 for a job that has "
+    "already succeeded or failed.",
+    responses=responses(401, 404, 409, 503),
+)
+def cancel_job(
+    job_id: str,
+    user: CurrentUser,
+    session: SessionDep,
+    settings: SettingsDep,
+    background: BackgroundTasks,
+) -> JobOut:
+    found = get_job(session, user.viewer, job_id)
+    if found is None:
+        raise not_found()
+    job, owner = found
+    before = job.state
+    request_cancel(session, job)
+    session.commit()
+    if job.state != before:
+        background.add_task(broker.wake_scheduler, settings)
+    return job_out(session, job, owner)

@@ -1,0 +1,1 @@
+"""Alembic migrations: `torchyard db upgrade` (store.migrate.upgrade) runs them to head."""
