@@ -1,0 +1,31 @@
+# One image for every torchyard process (api, scheduler, worker, db upgrade): the command
+# picks which. Installs from the repository's own files with the pinned constraints.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# Dependencies first, in their own layer: editing the code does not reinstall torch.
+COPY pyproject.toml constraints.txt ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+ && pip install -c constraints.txt -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt
+
+COPY . .
+RUN pip install -c constraints.txt . \
+ && useradd --create-home --uid 1000 torchyard \
+ && mkdir -p /srv/torchyard/home /srv/torchyard/storage /srv/torchyard/data \
+ && chown -R torchyard:torchyard /srv/torchyard
+
+USER torchyard
+ENV TORCHYARD_HOME=/srv/torchyard/home \
+    TORCHYARD_STORAGE_ROOT=/srv/torchyard/storage \
+    TORCHYARD_DATA_ROOT=/srv/torchyard/data
+EXPOSE 8000
+
+ENTRYPOINT ["torchyard"]
+CMD ["api", "--host", "0.0.0.0", "--port", "8000"]

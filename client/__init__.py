@@ -1,0 +1,36 @@
+"""torchyard's Python SDK and CLI client. HTTP only: nothing here imports server code."""
+
+from client.errors import (
+    APIError,
+    BadRequest,
+    ChecksumError,
+    Conflict,
+    ConnectError,
+    InvalidSpec,
+    NotFound,
+    SpecFileError,
+    TorchyardError,
+    Unauthorized,
+    Unavailable,
+)
+from client.sdk import DEFAULT_URL, TERMINAL_STATES, Client, Download, load_spec, resolve_config
+
+__all__ = [
+    "DEFAULT_URL",
+    "TERMINAL_STATES",
+    "APIError",
+    "BadRequest",
+    "ChecksumError",
+    "Client",
+    "Conflict",
+    "ConnectError",
+    "Download",
+    "InvalidSpec",
+    "NotFound",
+    "SpecFileError",
+    "TorchyardError",
+    "Unauthorized",
+    "Unavailable",
+    "load_spec",
+    "resolve_config",
+]

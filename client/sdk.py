@@ -1,0 +1,464 @@
+"""The torchyard Python SDK: a thin, typed layer over the REST API (HTTP only, no server code).
+
+    from client import Client
+
+    with Client() as ty:                      # URL/token from env or $TORCHYARD_HOME/admin-token
+        job = ty.submit(load_spec("examples/digits.json"))
+        job = ty.wait(job["id"])
+        print(job["state"], ty.metrics(job["id"], name="val/accuracy"))
+        ty.download(job["id"], path="digits.safetensors")
+
+Every failure raises a subclass of `client.errors.TorchyardError`. Tests pass
+`transport=httpx.MockTransport(handler)` to run the SDK without a server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from client.errors import ChecksumError, ConnectError, SpecFileError, error_for
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+_CHUNK = 1 << 20
+
+ProgressFn = Callable[[int, int | None], None]
+
+
+def torchyard_home(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("TORCHYARD_HOME") or ".torchyard")
+
+
+def resolve_config(
+    url: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
+) -> tuple[str, str | None]:
+    """Server URL and token: explicit values, then TORCHYARD_URL / TORCHYARD_TOKEN, then the
+    files `torchyard up` writes in $TORCHYARD_HOME (`url`, `admin-token`), then the default URL."""
+    env = os.environ if env is None else env
+    home = torchyard_home(env)
+    url = url or env.get("TORCHYARD_URL") or _read_first_line(home / "url") or DEFAULT_URL
+    token = token or env.get("TORCHYARD_TOKEN") or _read_first_line(home / "admin-token")
+    return url.rstrip("/"), token
+
+
+def _read_first_line(path: Path) -> str | None:
+    try:
+        line = path.read_text().strip().splitlines()
+    except OSError:
+        return None
+    return line[0].strip() if line else None
+
+
+def load_spec(path: str | Path) -> dict[str, Any]:
+    """A spec file as a dict: `.yaml`/`.yml` through PyYAML (safe loader), anything else as JSON."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SpecFileError(f"cannot read {p}: {e.strerror or e}") from None
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            obj = yaml.safe_load(text)
+        else:
+            obj = json.loads(text)
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: one line for the user
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecFileError(f"{p} is not valid {_kind(p)}: {first}") from None
+    if not isinstance(obj, dict):
+        raise SpecFileError(f"{p} must hold one object (a mapping of spec fields)")
+    return obj
+
+
+def _kind(p: Path) -> str:
+    return "YAML" if p.suffix.lower() in (".yaml", ".yml") else "JSON"
+
+
+@dataclass(frozen=True)
+class Download:
+    """A finished, verified download."""
+
+    path: Path
+    checkpoint: dict[str, Any]
+    sha256: str
+    bytes: int
+    resumed_from: int
+    """Bytes already on disk (a `.part` file) that were kept rather than fetched again."""
+
+    @property
+    def format(self) -> str:
+        """`safetensors` or `torch` (a torch.save zip), read from the file's first bytes."""
+        with self.path.open("rb") as f:
+            head = f.read(9)
+        if head[:4] == b"PK\x03\x04":
+            return "torch"
+        if len(head) == 9 and head[8:9] == b"{":
+            return "safetensors"
+        return "torch" if self.path.suffix == ".pt" else "unknown"
+
+
+class Client:
+    """One connection to a torchyard API. Use as a context manager, or call `close()`."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url, self.token = resolve_config(url, token)
+        headers = {"Accept": "application/json", "User-Agent": "torchyard-client"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
+        try:
+            resp = self._http.send(request, stream=stream)
+        except httpx.TimeoutException:
+            raise ConnectError(f"the torchyard API at {self.url} did not answer in time") from None
+        except httpx.TransportError as e:
+            raise ConnectError(
+                f"cannot reach the torchyard API at {self.url} ({_reason(e)}); "
+                "is `torchyard up` running, and is TORCHYARD_URL right?"
+            ) from None
+        if resp.status_code >= 400:
+            if stream:
+                resp.read()
+                resp.close()
+            try:
+                body = resp.json()
+            except ValueError:
+                body = None
+            raise error_for(resp.status_code, body, str(request.url))
+        return resp
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        params = {k: v for k, v in (kw.pop("params", None) or {}).items() if v is not None}
+        resp = self._send(self._http.build_request(method, path, params=params, **kw))
+        return resp.json() if resp.content else None
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> dict:
+        """POST the spec; returns the new job (or, with the same idempotency key, the old one)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._json("POST", "/v1/jobs", json=dict(spec), headers=headers)
+
+    def job(self, job_id: str) -> dict:
+        return self._json("GET", f"/v1/jobs/{_seg(job_id)}")
+
+    def jobs(
+        self, *, state: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> dict:
+        """One page: {"items": [...], "next_cursor": ...}, newest first."""
+        return self._json(
+            "GET", "/v1/jobs", params={"state": state, "limit": limit, "cursor": cursor}
+        )
+
+    def iter_jobs(self, *, state: str | None = None, page_size: int = 50) -> Iterator[dict]:
+        """Every job, following the cursor across pages."""
+        cursor = None
+        while True:
+            page = self.jobs(state=state, limit=page_size, cursor=cursor)
+            yield from page.get("items", [])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    def cancel(self, job_id: str) -> dict:
+        return self._json("POST", f"/v1/jobs/{_seg(job_id)}/cancel")
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        poll_s: float = 1.0,
+        timeout_s: float | None = None,
+        on_update: Callable[[dict], None] | None = None,
+    ) -> dict:
+        """Poll until the job reaches succeeded, failed or cancelled; returns the final job."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            job = self.job(job_id)
+            if on_update:
+                on_update(job)
+            if job.get("state") in TERMINAL_STATES:
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job.get('state')} after {timeout_s}s")
+            time.sleep(poll_s)
+
+    # -- metrics, logs, events --------------------------------------------------------------
+
+    def metrics(
+        self,
+        job_id: str,
+        *,
+        name: str | list[str] | None = None,
+        after_step: int | None = None,
+        max_points: int | None = None,
+    ) -> dict[str, dict[str, list]]:
+        """{name: {"steps": [...], "values": [...] (, "min", "max")}}; several names are
+        fetched one request each and merged."""
+        names = [name] if isinstance(name, str) else list(name or [None])
+        series: dict[str, dict[str, list]] = {}
+        for n in names:
+            body = self._json(
+                "GET",
+                f"/v1/jobs/{_seg(job_id)}/metrics",
+                params={"name": n, "after_step": after_step, "max_points": max_points},
+            )
+            series.update(body.get("series", {}))
+        return series
+
+    def logs(self, job_id: str, *, offset: int = 0, limit: int | None = None) -> dict:
+        """{"data", "offset", "next_offset", "size", "complete"}: a window of the job's log."""
+        return self._json(
+            "GET", f"/v1/jobs/{_seg(job_id)}/logs", params={"offset": offset, "limit": limit}
+        )
+
+    def follow_logs(self, job_id: str, *, offset: int = 0, poll_s: float = 1.0) -> Iterator[str]:
+        """The log's text as it grows, until the job has ended and everything was read."""
+        while True:
+            chunk = self.logs(job_id, offset=offset)
+            if chunk.get("data"):
+                yield chunk["data"]
+            offset = int(chunk.get("next_offset", offset))
+            if chunk.get("complete") and offset >= int(chunk.get("size", offset)):
+                return
+            if not chunk.get("data"):
+                time.sleep(poll_s)
+
+    def events(self, job_id: str) -> Iterator[tuple[str, Any]]:
+        """Server-sent events of one job as (event, data) pairs; data is JSON-decoded when it
+        can be. Ends when the server closes the stream."""
+        req = self._http.build_request(
+            "GET",
+            f"/v1/jobs/{_seg(job_id)}/events",
+            headers={"Accept": "text/event-stream"},
+            timeout=httpx.Timeout(30.0, read=None),
+        )
+        resp = self._send(req, stream=True)
+        try:
+            yield from _parse_sse(resp.iter_lines())
+        finally:
+            resp.close()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def checkpoints(self, job_id: str) -> list[dict]:
+        return self._json("GET", f"/v1/jobs/{_seg(job_id)}/checkpoints").get("items", [])
+
+    def checkpoint(self, job_id: str, checkpoint: str | int = "latest") -> dict:
+        """One checkpoint's record. `latest` is the one of the highest step, the final
+        weights export winning a tie (it is what a user wants to load)."""
+        every = self.checkpoints(job_id)
+        # Records whose file keep_last already deleted cannot be downloaded.
+        items = [c for c in every if c.get("available", True)]
+        if str(checkpoint) == "latest":
+            if not items:
+                raise _not_found(f"job {job_id} has no checkpoint yet")
+            return max(items, key=lambda c: (c.get("step", 0), c.get("kind") == "weights", c["id"]))
+        for c in items:
+            if str(c["id"]) == str(checkpoint):
+                return c
+        ids = ", ".join(str(c["id"]) for c in items) or "none"
+        if any(str(c["id"]) == str(checkpoint) for c in every):
+            raise _not_found(
+                f"checkpoint {checkpoint} is no longer on disk (checkpoint.keep_last); "
+                f"available: {ids}"
+            )
+        raise _not_found(f"no checkpoint {checkpoint} in job {job_id}; available: {ids}")
+
+    def download(
+        self,
+        job_id: str,
+        checkpoint: str | int = "latest",
+        path: str | Path | None = None,
+        *,
+        on_progress: ProgressFn | None = None,
+    ) -> Download:
+        """Download a checkpoint to `path` and verify its sha256.
+
+        Bytes go to `<path>.part` first; a `.part` left by a broken download is resumed with
+        `Range` (and `If-Range` = the checkpoint's ETag, so a changed file restarts from zero).
+        The file is renamed to `path` only once its sha256 matches the server's."""
+        ckpt = self.checkpoint(job_id, checkpoint)
+        expected = str(ckpt["sha256"]).lower()
+        name = default_filename(job_id, ckpt)
+        if path is None:
+            dest = Path(name)
+        elif str(path).endswith(("/", os.sep)) or Path(path).is_dir():  # a directory
+            dest = Path(path) / name
+        else:
+            dest = Path(path)
+        part = dest.with_name(dest.name + ".part")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        have = part.stat().st_size if part.exists() else 0
+        url = f"/v1/jobs/{_seg(job_id)}/checkpoints/{_seg(str(ckpt['id']))}/download"
+        # A .part that is not a prefix of this file fails the hash; then one clean retry.
+        for attempt in (1, 2):
+            resumed = self._fetch(url, part, have, expected, ckpt.get("bytes"), on_progress)
+            digest = _sha256_file(part)
+            if digest == expected:
+                part.replace(dest)
+                return Download(dest, ckpt, digest, dest.stat().st_size, resumed)
+            part.unlink(missing_ok=True)
+            if attempt == 2 or resumed == 0:
+                raise ChecksumError(
+                    f"sha256 of the downloaded file is {digest}, the server announced {expected}"
+                )
+            have = 0
+        raise AssertionError("unreachable")
+
+    def _fetch(
+        self,
+        url: str,
+        part: Path,
+        have: int,
+        etag: str,
+        total: int | None,
+        on_progress: ProgressFn | None,
+    ) -> int:
+        """Stream into `part` from byte `have`; returns how many bytes were kept from before."""
+        headers = {"Accept": "*/*"}
+        if have:
+            headers["Range"] = f"bytes={have}-"
+            headers["If-Range"] = f'"{etag}"'
+        req = self._http.build_request(
+            "GET", url, headers=headers, timeout=httpx.Timeout(30.0, read=120.0)
+        )
+        try:
+            resp = self._send(req, stream=True)
+        except Exception as e:
+            # 416: the .part already holds the whole file (or more): let the hash decide.
+            if getattr(e, "status", None) == 416:
+                return have
+            raise
+        try:
+            if resp.status_code == 206:
+                mode, kept = "ab", have
+            else:  # 200: the server sent the whole file (no range support, or the file changed)
+                mode, kept = "wb", 0
+            length = resp.headers.get("Content-Length")
+            size = kept + int(length) if length is not None else total
+            done = kept
+            if on_progress:
+                on_progress(done, size)
+            with part.open(mode) as f:
+                try:
+                    for chunk in resp.iter_bytes():  # as received: a break loses nothing
+                        f.write(chunk)
+                        done += len(chunk)
+                        if on_progress:
+                            on_progress(done, size)
+                except httpx.TransportError as e:
+                    raise ConnectError(
+                        f"download interrupted after {done} bytes ({_reason(e)}); "
+                        "run the same command again to resume"
+                    ) from None
+                f.flush()
+                os.fsync(f.fileno())
+            return kept
+        finally:
+            resp.close()
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def workers(self) -> list[dict]:
+        return self._json("GET", "/v1/workers").get("items", [])
+
+    def ready(self) -> bool:
+        """True when /readyz answers 200 (no token needed)."""
+        try:
+            return self._http.get("/readyz", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def default_filename(job_id: str, ckpt: Mapping[str, Any]) -> str:
+    """`<job>-step<step>.safetensors` for the weights export, `.pt` for a resume checkpoint."""
+    path = str(ckpt.get("path") or "")
+    if path.endswith(".safetensors") or ckpt.get("kind") == "weights":
+        ext = ".safetensors"
+    else:
+        ext = ".pt"
+    return f"{job_id[:12]}-step{int(ckpt.get('step') or 0)}{ext}"
+
+
+def _not_found(message: str) -> Exception:
+    return error_for(404, {"error": {"code": "not_found", "message": message}})
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _seg(value: str) -> str:
+    """A path segment: ids only, so a typo can never walk to another route."""
+    if not value or "/" in value or value in (".", ".."):
+        raise error_for(
+            404, {"error": {"code": "not_found", "message": f"not a valid id: {value!r}"}}
+        )
+    return quote(value, safe="")
+
+
+def _reason(e: Exception) -> str:
+    text = str(e) or type(e).__name__
+    if "Connection refused" in text or "Errno 111" in text:
+        return "connection refused"
+    return text.splitlines()[0][:200]
+
+
+def _parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
+    event, data = "message", []
+    for line in lines:
+        if not line:
+            if data:
+                text = "\n".join(data)
+                try:
+                    yield event, json.loads(text)
+                except ValueError:
+                    yield event, text
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "event":
+                event = value
+            elif field == "data":
+                data.append(value)

@@ -1,0 +1,63 @@
+"""The README documents every spec field, every setting and every CLI command, and its
+main-job script does what the README says."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from store.settings import Settings
+from torchyard.cli import COMMANDS
+from trainer.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, f in model.model_fields.items():
+        sub = f.annotation if isinstance(f.annotation, type) else None
+        if sub is not None and issubclass(sub, BaseModel):
+            out += _fields(sub, f"{prefix}{name}.")
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def test_every_spec_field_is_in_the_reference() -> None:
+    fields = _fields(JobSpec)
+    assert "optimizer.lr" in fields and "checkpoint.keep_last" in fields
+    missing = [f for f in fields if f"| `{f}` |" not in README]
+    assert not missing, f"README spec reference lacks {missing}"
+
+
+def test_every_setting_and_command_is_documented() -> None:
+    for name in Settings.model_fields:
+        assert f"`TORCHYARD_{name.upper()}`" in README, name
+    for cmd in COMMANDS:
+        assert f"`{cmd}" in README, cmd
+
+
+def test_quick_start_has_the_two_commands_and_the_demo_script_is_sound() -> None:
+    quick = README.split("## Quick start", 1)[1].split("##", 1)[0]
+    block = quick.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert [line.split("#")[0].strip() for line in block] == [
+        "bash scripts/demo.sh",
+        "bash scripts/test.sh",
+    ]
+    demo = ROOT / "scripts" / "demo.sh"
+    subprocess.run(["bash", "-n", str(demo)], check=True)
+    text = demo.read_text()
+    for step in (
+        "-m venv .venv",
+        "-c constraints.txt -e .",
+        " up ",
+        "examples/digits.json",
+        "--follow",
+        "--plot",
+        " download ",
+    ):
+        assert step in text, step

@@ -1,0 +1,104 @@
+"""docker-compose.yml and the Dockerfile, checked for structure (Docker does not run here)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from store.settings import Settings
+from torchyard.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHYARD_SERVICES = {"migrate", "api", "scheduler", "worker-gpu0", "worker-gpu1"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict) -> dict:
+    return compose["services"]
+
+
+def test_services(services: dict) -> None:
+    assert set(services) == {"postgres", "redis"} | TORCHYARD_SERVICES
+
+
+def test_store_and_broker_are_not_published_on_public_interfaces(services: dict) -> None:
+    for name in ("postgres", "redis"):
+        for port in services[name].get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port}"
+    api_ports = services["api"]["ports"]
+    assert all(re.match(r"\$\{TORCHYARD_API_BIND:-127\.0\.0\.1\}:", p) for p in api_ports)
+
+
+def test_gpu_workers_are_pinned_one_gpu_each(services: dict) -> None:
+    for gpu in (0, 1):
+        svc = services[f"worker-gpu{gpu}"]
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        assert dev["device_ids"] == [str(gpu)]
+        cmd = svc["command"]
+        # Inside the container the one reserved GPU is index 0.
+        assert cmd[:3] == ["worker", "--gpu", "0"]
+        assert cmd[cmd.index("--name") + 1].endswith(f"-gpu{gpu}")
+
+
+def test_commands_exist_in_the_cli(services: dict) -> None:
+    expected = {"migrate": "db", "api": "api", "scheduler": "scheduler"}
+    for name in TORCHYARD_SERVICES:
+        cmd = services[name]["command"]
+        assert cmd[0] in COMMANDS, f"{name}: unknown command {cmd[0]}"
+        assert cmd[0] == expected.get(name, "worker")
+    assert services["migrate"]["command"] == ["db", "upgrade"]
+    assert services["migrate"]["restart"] == "no"
+
+
+def test_environment_names_are_settings_fields(services: dict) -> None:
+    fields = {f"TORCHYARD_{f.upper()}" for f in Settings.model_fields}
+    for name in TORCHYARD_SERVICES:
+        env = services[name]["environment"]
+        names = set(env)
+        assert {"TORCHYARD_DATABASE_URL", "TORCHYARD_BROKER_URL"} <= names
+        assert names <= fields, f"{name}: not settings: {names - fields}"
+        assert env["TORCHYARD_DATABASE_URL"].startswith("postgresql+psycopg://")
+        assert env["TORCHYARD_BROKER_URL"].startswith("redis://")
+
+
+def test_no_secret_is_written_in_the_file(services: dict) -> None:
+    required_var = re.compile(r"\$\{[A-Z_]+:\?[^}]+\}")
+    for name, svc in services.items():
+        for key, value in (svc.get("environment") or {}).items():
+            if "PASSWORD" in key:  # a password is a required variable from the environment
+                assert required_var.fullmatch(str(value)), f"{name}: {key}"
+            for creds in re.findall(r"://([^@/]*)@", str(value)):
+                _user, _, password = creds.partition(":")
+                assert required_var.fullmatch(password), f"{name}: {key} holds a password"
+
+
+def test_shared_storage_health_checks_and_ordering(services: dict, compose: dict) -> None:
+    for name in TORCHYARD_SERVICES:
+        vols = services[name]["volumes"]
+        assert "storage:/srv/torchyard/storage" in vols
+    assert "storage" in compose["volumes"]
+    for name in ("postgres", "redis", "api"):
+        assert services[name]["healthcheck"]["test"]
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in TORCHYARD_SERVICES - {"migrate"}:
+        dep = services[name]["depends_on"]["migrate"]
+        assert dep["condition"] == "service_completed_successfully"
+
+
+def test_dockerfile_installs_from_the_repo_with_constraints() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert "pip install -c constraints.txt ." in text
+    assert re.search(r'^ENTRYPOINT \["torchyard"\]$', text, re.M)
+    assert re.search(r"^USER (?!root)\w+", text, re.M)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", ".torchyard"} <= set(ignored)

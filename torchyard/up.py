@@ -1,0 +1,448 @@
+"""`torchyard up [--workers N] [--port P]`: the whole service on one machine, in one command.
+
+It applies the migrations, makes an admin token the first time (kept in
+`$TORCHYARD_HOME/admin-token`, mode 0600), then runs the API, the scheduler and one
+worker per GPU (or N CPU worker slots when there is none), each as its own child
+process, exactly the processes a deployment runs. A child that dies is reported and
+restarted (with back-off); Ctrl-C or SIGTERM stops the workers first (each hands its
+running job back with a checkpoint), then the scheduler and the API.
+
+Everything lives under TORCHYARD_HOME, so running it again picks up where it stopped.
+This module may use `store` but never imports the API or the worker: it spawns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+READY_TIMEOUT_S = 90.0
+# A worker gets this long after SIGTERM to checkpoint its trainer and hand the job back.
+WORKER_STOP_GRACE_S = 45.0
+OTHERS_STOP_GRACE_S = 10.0
+# How long the workers' SIGTERM waits for the scheduler to stop assigning work.
+SCHEDULER_STOP_WAIT_S = 2.0
+MAX_BACKOFF_S = 30.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="torchyard up", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="CPU worker slots when there is no GPU (default 2); with GPUs, at most this many",
+    )
+    p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
+    p.add_argument("--cpu", action="store_true", help="CPU workers even when GPUs are present")
+    args = p.parse_args(argv)
+    if args.workers is not None and args.workers < 0:
+        p.error("--workers must be >= 0")
+    try:
+        return Up(args).run()
+    except UpError as e:
+        print(f"torchyard up: {e}", file=sys.stderr)
+        return 1
+
+
+class UpError(Exception):
+    """A problem that stops `up` before it serves, said in one line."""
+
+
+def detect_gpus(env: dict[str, str] | None = None, smi: str | None = None) -> list[int]:
+    """Physical GPU indices, without importing torch or touching CUDA in this process:
+    `nvidia-smi -L`, narrowed to CUDA_VISIBLE_DEVICES (indices or UUIDs) when it is set.
+    `smi` is nvidia-smi's output, for tests."""
+    env = dict(os.environ) if env is None else env
+    if smi is None:
+        exe = shutil.which("nvidia-smi")
+        try:
+            smi = (
+                subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10).stdout
+                if exe
+                else ""
+            )
+        except (OSError, subprocess.SubprocessError):
+            smi = ""
+    # "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5c3f…)"
+    found: dict[int, str] = {}
+    for line in smi.splitlines():
+        if line.startswith("GPU ") and ":" in line:
+            idx = line[4:].split(":", 1)[0]
+            if idx.isdigit():
+                uuid = line.rsplit("UUID:", 1)[1].strip(" )") if "UUID:" in line else ""
+                found[int(idx)] = uuid
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return sorted(found)
+    items = [v.strip() for v in visible.split(",") if v.strip()]
+    gpus: list[int] = []
+    for v in items:
+        if v == "-1":  # CUDA stops at the first invalid entry
+            break
+        if v.isdigit():
+            if int(v) in found:
+                gpus.append(int(v))
+        else:
+            gpus += [i for i, u in found.items() if u and u.startswith(v)]
+    return gpus
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start: float = 0.0
+    quick_deaths: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _die_with_parent(parent_pid: int) -> Any:
+    """Runs in the child before exec: if `up` is killed outright, its children get SIGTERM
+    (and shut down cleanly) instead of living on as orphans."""
+
+    def preexec() -> None:
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # `up` died before the prctl took effect
+            os._exit(0)
+
+    return preexec
+
+
+class Up:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.stopping = False
+        self.children: list[Child] = []
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        from store.settings import Settings
+
+        try:
+            settings = Settings()
+        except Exception as e:  # pydantic's message names the TORCHYARD_* variable to fix
+            raise UpError(f"invalid settings: {e}") from None
+        home = settings.home.resolve()
+        home.mkdir(parents=True, exist_ok=True)
+        lock = self._lock(home)
+        try:
+            return self._serve(settings, home)
+        finally:
+            lock.close()
+
+    def _lock(self, home: Path) -> IO[str]:
+        f = (home / "up.lock").open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise UpError(
+                f"another `torchyard up` is already running on {home} (stop it, or set "
+                "TORCHYARD_HOME to another directory)"
+            ) from None
+        return f
+
+    def _serve(self, settings: Any, home: Path) -> int:
+        host, port = self.args.host, self.args.port
+        if not _port_free(host, port):
+            raise UpError(f"port {port} on {host} is in use; pick another with --port")
+        say(f"home     {home}")
+        say(f"database {_redact(settings.db_url)}")
+        from store.migrate import upgrade
+
+        try:
+            upgrade(settings.db_url)
+            token = ensure_admin_token(settings, home)
+        except Exception as e:  # a database that cannot be reached or migrated: one line
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise UpError(f"database {_redact(settings.db_url)}: {first}") from None
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+        self._plan(home, host, port)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        # Where this home's API listens, for the CLI (kept after stopping: clients that
+        # follow a job across a restart find it again).
+        (home / "url").write_text(url + "\n")
+        for c in self.children:
+            self._start(c)
+        try:
+            if not self._wait_ready(url):
+                return 1
+            say("")
+            say(f"torchyard is up: {url}")
+            say(f"admin token (also in {home / 'admin-token'}):")
+            say(f"  {token}")
+            say(f"logs in {home / 'logs'}; Ctrl-C stops everything")
+            say("try:  torchyard submit examples/digits.json --follow")
+            self._supervise()
+            return 0
+        finally:
+            self._stop_all()
+
+    def _plan(self, home: Path, host: str, port: int) -> None:
+        logs = home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        me = [sys.executable, "-m", "torchyard"]
+        self.children = [
+            Child("api", [*me, "api", "--host", host, "--port", str(port)], logs / "api.log"),
+            Child("scheduler", [*me, "scheduler"], logs / "scheduler.log"),
+        ]
+        gpus = [] if self.args.cpu else detect_gpus()
+        host_id = _slug(socket.gethostname())
+        if gpus:
+            if self.args.workers is not None:
+                gpus = gpus[: self.args.workers]
+            for g in gpus:
+                # The worker pins its trainer with CUDA_VISIBLE_DEVICES=<g> itself, so the
+                # worker must see physical indices: drop any narrowing inherited from here.
+                c = Child(
+                    f"worker-gpu{g}",
+                    [*me, "worker", "--gpu", str(g), "--name", f"{host_id}-gpu{g}"],
+                    logs / f"worker-gpu{g}.log",
+                )
+                c.extra_env = {"CUDA_VISIBLE_DEVICES": ""}
+                self.children.append(c)
+            say(f"workers  {len(gpus)} GPU worker(s): {', '.join(map(str, gpus))}")
+        else:
+            n = 2 if self.args.workers is None else self.args.workers
+            for i in range(n):
+                self.children.append(
+                    Child(
+                        f"worker-cpu{i}",
+                        [*me, "worker", "--device", "cpu", "--name", f"{host_id}-cpu{i}"],
+                        logs / f"worker-cpu{i}.log",
+                    )
+                )
+            say(f"workers  {n} CPU worker slot(s)")
+        self.env = dict(os.environ)
+        # Children must agree with this process on every path, whatever their cwd.
+        self.env["TORCHYARD_HOME"] = str(home)
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+
+    # -- children -------------------------------------------------------------------------------
+
+    def _start(self, c: Child) -> None:
+        env = dict(self.env)
+        for k, v in c.extra_env.items():
+            if v:
+                env[k] = v
+            else:
+                env.pop(k, None)
+        if c.log is None:
+            c.log = c.log_path.open("ab")
+        c.log.write(
+            f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} torchyard up starts "
+            f"{c.name}: {' '.join(c.argv[1:])}\n".encode()
+        )
+        c.log.flush()
+        c.proc = subprocess.Popen(
+            c.argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=c.log,
+            stderr=subprocess.STDOUT,
+            # Own process group: a terminal's Ctrl-C reaches `up` alone, and `up` decides
+            # the order in which its children stop.
+            process_group=0,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+        c.started_at = time.monotonic()
+
+    def _wait_ready(self, url: str) -> bool:
+        api = self.children[0]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.stopping:
+            if api.proc is not None and api.proc.poll() is not None:
+                say(f"the API exited with code {api.proc.returncode} before it was ready:")
+                say(_tail(api.log_path))
+                return False
+            if _http_ok(url + "/readyz"):
+                return True
+            if time.monotonic() > deadline:
+                say(f"the API was not ready after {READY_TIMEOUT_S:.0f}s; see {api.log_path}:")
+                say(_tail(api.log_path))
+                return False
+            time.sleep(0.2)
+        return False
+
+    def _supervise(self) -> None:
+        while not self.stopping:
+            now = time.monotonic()
+            for c in self.children:
+                if c.proc is None:
+                    if now >= c.next_start and not self.stopping:
+                        say(f"restarting {c.name} (restart {c.restarts})")
+                        self._start(c)
+                    continue
+                rc = c.proc.poll()
+                if rc is None:
+                    if now - c.started_at > 60:
+                        c.quick_deaths = 0
+                    continue
+                lived = now - c.started_at
+                c.quick_deaths = c.quick_deaths + 1 if lived < 10 else 0
+                c.restarts += 1
+                delay = min(MAX_BACKOFF_S, 2.0 ** min(c.quick_deaths, 5))
+                say(
+                    f"{c.name} exited with code {rc} after {lived:.0f}s; "
+                    f"restarting in {delay:.0f}s. Last lines of {c.log_path}:"
+                )
+                say(_tail(c.log_path, 5))
+                c.proc, c.next_start = None, now + delay
+            time.sleep(0.25)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.stopping:  # a second Ctrl-C: stop waiting for graceful shutdown
+            say("stopping now")
+            for c in self.children:
+                _kill(c, signal.SIGKILL)
+            return
+        self.stopping = True
+        say(
+            f"\n{signal.Signals(signum).name}: stopping (workers hand their jobs back first; "
+            "Ctrl-C again to kill)"
+        )
+
+    def _stop_all(self) -> None:
+        self.stopping = True
+        by_role: dict[str, list[Child]] = {"scheduler": [], "worker": [], "api": []}
+        for c in self.children:
+            by_role[c.name.split("-")[0]].append(c)
+        # The scheduler first, so that nothing is assigned to a stopping worker; then the
+        # workers, each checkpointing its trainer and re-queueing the job; the API last, so
+        # clients see the job go back to the queue.
+        for role, grace in (
+            ("scheduler", SCHEDULER_STOP_WAIT_S),
+            ("worker", WORKER_STOP_GRACE_S),
+            ("api", OTHERS_STOP_GRACE_S),
+        ):
+            group = by_role[role]
+            for c in group:
+                _kill(c, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for c in group:
+                if c.proc is None:
+                    continue
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    if role == "scheduler":  # still stopping; the workers must not wait
+                        continue
+                    say(f"{c.name} did not stop in {grace:.0f}s; killing it")
+                    _kill(c, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        c.proc.wait(timeout=5)
+        for c in by_role["scheduler"]:
+            if c.proc is not None and c.proc.poll() is None:
+                try:
+                    c.proc.wait(timeout=OTHERS_STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    say(f"{c.name} did not stop; killing it")
+                    _kill(c, signal.SIGKILL)
+        for c in self.children:
+            if c.log is not None:
+                c.log.close()
+                c.log = None
+        say("stopped")
+
+
+def ensure_admin_token(settings: Any, home: Path) -> str:
+    """The admin token in `home/admin-token`, created (mode 0600) when missing or no longer
+    known to the database (e.g. the database was reset)."""
+    from store.auth import create_token, user_for_token
+    from store.db import session_scope
+
+    path = home / "admin-token"
+    if path.exists():
+        token = path.read_text().strip()
+        with session_scope(settings.db_url) as s:
+            if token and user_for_token(s, token) is not None:
+                return token
+        say(f"{path} holds a token the database does not know; making a new one")
+        path.unlink()
+    with session_scope(settings.db_url) as s:
+        token = create_token(s, "admin", admin=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    say(f"created an admin token in {path}")
+    return token
+
+
+def _kill(c: Child, sig: int) -> None:
+    if c.proc is None or c.proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        c.proc.send_signal(sig)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return "  (no log)"
+    return "\n".join("  | " + line for line in lines)
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in name)[:60] or "host"
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, hostpart = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':', 1)[0]}:***@{hostpart}"
+    return url
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
