@@ -1,0 +1,189 @@
+"""Worker rows: registration, heartbeats, release after a job, clean deregistration, and
+the reaper that declares silent workers lost and sends their jobs back to the queue.
+
+States: idle (may be assigned), busy (holds an assignment), lost (heartbeat stale),
+stopped (deregistered, or stopping: no new work). Only `idle` workers with a fresh
+heartbeat are scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session
+
+from store.attempts import (
+    ATTEMPT_ACTIVE,
+    hand_back_unclaimed,
+    lose_worker_assignments,
+)
+from store.models import Assignment, Attempt, Worker, utcnow
+
+IDLE, BUSY, LOST, STOPPED = "idle", "busy", "lost", "stopped"
+LIVE = (IDLE, BUSY)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    host: str
+    pid: int
+    queue: str
+    device: str = "cpu"
+    gpu: int | None = None
+    device_name: str | None = None
+    memory_bytes: int | None = None
+
+
+def _is_pg(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+def register_worker(session: Session, info: WorkerInfo) -> list[str]:
+    """Insert or refresh the worker's row as idle. A row still holding work from an earlier
+    process of the same slot means that process died (its trainer died with it): those
+    attempts are lost now rather than after a heartbeat timeout. Returns affected job ids."""
+    lost_jobs = lose_worker_assignments(session, info.id, f"worker {info.id} restarted")
+    now = utcnow()
+    row = session.get(Worker, info.id, populate_existing=True)
+    if row is None:
+        row = Worker(id=info.id, registered_at=now)
+        session.add(row)
+    row.host, row.pid, row.queue = info.host, info.pid, info.queue
+    row.device, row.gpu = info.device, info.gpu
+    row.device_name, row.memory_bytes = info.device_name, info.memory_bytes
+    row.state, row.current_job_id, row.current_assignment_id = IDLE, None, None
+    row.last_heartbeat, row.registered_at = now, now
+    session.flush()
+    return lost_jobs
+
+
+def heartbeat(session: Session, worker_id: str) -> str | None:
+    """Refresh a live worker's heartbeat. Returns its state; `lost` means the reaper gave up
+    on it (its attempt was re-queued), None that the row is gone."""
+    res = session.execute(
+        update(Worker)
+        .where(Worker.id == worker_id, Worker.state.in_(LIVE))
+        .values(last_heartbeat=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    if res.rowcount == 1:  # type: ignore[attr-defined]
+        return session.scalar(select(Worker.state).where(Worker.id == worker_id))
+    return session.scalar(select(Worker.state).where(Worker.id == worker_id))
+
+
+def release_worker(session: Session, worker_id: str, assignment_id: int) -> bool:
+    """Back to idle after the assignment ended (also from `lost`: the worker shows it is
+    alive). Conditional on still holding that assignment."""
+    res = session.execute(
+        update(Worker)
+        .where(
+            Worker.id == worker_id,
+            Worker.current_assignment_id == assignment_id,
+            Worker.state.in_((BUSY, LOST)),
+        )
+        .values(
+            state=IDLE, current_job_id=None, current_assignment_id=None, last_heartbeat=utcnow()
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return res.rowcount == 1  # type: ignore[attr-defined]
+
+
+def stop_accepting(session: Session, worker_id: str) -> bool:
+    """A stopping worker takes no new work: idle -> stopped (busy ones stop after their job)."""
+    res = session.execute(
+        update(Worker)
+        .where(Worker.id == worker_id, Worker.state == IDLE)
+        .values(state=STOPPED)
+        .execution_options(synchronize_session=False)
+    )
+    return res.rowcount == 1  # type: ignore[attr-defined]
+
+
+def deregister(session: Session, worker_id: str) -> list[str]:
+    """The worker process is exiting: hand back anything assigned but not started; an
+    attempt still running here (a stop that could not wait for the trainer, e.g. a second
+    Ctrl-C) is lost, since nobody supervises it any more. Then state stopped."""
+    jobs = hand_back_unclaimed(session, worker_id, f"worker {worker_id} stopped")
+    jobs += lose_worker_assignments(
+        session, worker_id, f"worker {worker_id} stopped while running it"
+    )
+    session.execute(
+        update(Worker)
+        .where(Worker.id == worker_id)
+        .values(state=STOPPED, current_job_id=None, current_assignment_id=None)
+        .execution_options(synchronize_session=False)
+    )
+    return jobs
+
+
+def stale_cutoff(timeout_s: float, now: datetime | None = None) -> datetime:
+    return (now or utcnow()) - timedelta(seconds=timeout_s)
+
+
+def reap_stale_workers(
+    session: Session, timeout_s: float, now: datetime | None = None
+) -> list[tuple[str, list[str]]]:
+    """Workers silent for longer than `timeout_s` become lost; their active attempts are
+    lost too (jobs re-queued with attempt + 1, or failed once out of restarts).
+    Returns (worker id, affected job ids) per reaped worker."""
+    cutoff = stale_cutoff(timeout_s, now)
+    q = select(Worker.id).where(Worker.state.in_(LIVE), Worker.last_heartbeat < cutoff)
+    if _is_pg(session):
+        q = q.with_for_update(skip_locked=True)
+    reaped = []
+    for (wid,) in session.execute(q).all():
+        res = session.execute(
+            update(Worker)
+            .where(Worker.id == wid, Worker.state.in_(LIVE), Worker.last_heartbeat < cutoff)
+            .values(state=LOST)
+            .execution_options(synchronize_session=False)
+        )
+        if res.rowcount != 1:  # type: ignore[attr-defined]
+            continue
+        secs = int(timeout_s)
+        jobs = lose_worker_assignments(
+            session, wid, f"worker {wid} lost (no heartbeat for {secs}s)"
+        )
+        reaped.append((wid, jobs))
+    return reaped
+
+
+def release_orphaned_workers(session: Session, grace_s: float = 10.0) -> list[str]:
+    """Busy workers whose assignment is over but who never went back to idle (a message
+    that never arrived for an attempt that ended, or a crash between ending and releasing).
+    Claimed assignments get `grace_s` for their worker to release itself."""
+    old = utcnow() - timedelta(seconds=grace_s)
+    rows = session.execute(
+        select(Worker.id, Worker.current_assignment_id)
+        .outerjoin(Assignment, Assignment.id == Worker.current_assignment_id)
+        .outerjoin(Attempt, Attempt.id == Assignment.attempt_id)
+        .where(
+            Worker.state == BUSY,
+            or_(
+                Worker.current_assignment_id.is_(None),
+                Assignment.id.is_(None),
+                Assignment.ended_at < old,
+                (Assignment.claimed_at.is_(None) & Attempt.state.not_in(ATTEMPT_ACTIVE)),
+            ),
+        )
+    ).all()
+    freed = []
+    for wid, aid in rows:
+        cond = (
+            Worker.current_assignment_id.is_(None)
+            if aid is None
+            else Worker.current_assignment_id == aid
+        )
+        res = session.execute(
+            update(Worker)
+            .where(Worker.id == wid, Worker.state == BUSY, cond)
+            .values(state=IDLE, current_job_id=None, current_assignment_id=None)
+            .execution_options(synchronize_session=False)
+        )
+        if res.rowcount == 1:  # type: ignore[attr-defined]
+            freed.append(wid)
+    return freed

@@ -1,0 +1,294 @@
+"""End to end, real processes: `torchyard api`, two `torchyard scheduler`s racing each
+other and two CPU workers, jobs posted over REST. Runs on the embedded defaults (SQLite +
+filesystem broker) and on PostgreSQL + Redis. One cluster per backend is shared by the
+tests of this module (two cores), and every test leaves it with its two workers idle."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sqlalchemy import select
+from worker_cluster import Cluster, pid_alive, processes_mentioning, wait_for
+
+pytestmark = pytest.mark.e2e
+
+DIGITS: dict[str, Any] = {
+    "model": {"name": "mlp", "hidden": [32]},
+    "data": {"name": "digits"},
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "batch_size": 64,
+    "epochs": 3,
+    "log_every_steps": 1,
+    "seed": 3,
+}
+# Long enough (~ several seconds of training on one CPU thread) to be killed mid-epoch,
+# with a resume checkpoint every 40 steps.
+LONG: dict[str, Any] = {
+    "model": {"name": "mlp", "hidden": [1024, 1024]},
+    "data": {"name": "synthetic", "shape": [1, 28, 28], "size": 6000, "num_classes": 10},
+    "optimizer": {"name": "sgd", "lr": 0.02},
+    "batch_size": 32,
+    "epochs": 4,
+    "checkpoint": {"every_steps": 40, "every_epochs": None, "keep_last": 2},
+    "log_every_steps": 5,
+    "seed": 11,
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "embedded",
+        pytest.param("redis-postgres", marks=[pytest.mark.redis, pytest.mark.postgres]),
+    ],
+)
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "embedded":
+        c = Cluster(tmp)
+    else:
+        from worker_factories import drop_pg_databases, new_pg_database
+
+        pg = request.getfixturevalue("pg_url")
+        make = new_pg_database(pg)
+        request.addfinalizer(lambda: drop_pg_databases(make))
+        c = Cluster(tmp, database_url=make(), broker_url=request.getfixturevalue("redis_url"))
+    try:
+        # Two schedulers race on every wake-up and tick: none may double-assign.
+        yield c.start(workers=2, schedulers=2)
+    finally:
+        c.stop()
+
+
+def _events(c: Cluster, job_id: str) -> list[dict[str, Any]]:
+    from store.paths import EVENTS_FILE, job_dir
+
+    p = job_dir(c.storage, job_id) / EVENTS_FILE
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def _weights(c: Cluster, job_id: str) -> dict[str, torch.Tensor]:
+    from store.paths import job_dir
+
+    return load_file(str(job_dir(c.storage, job_id) / "model.safetensors"))
+
+
+def _running_worker(c: Cluster, job_id: str) -> str:
+    j = c.job(job_id)
+    return j["attempts"][-1]["workers"][0]["worker_id"]
+
+
+def _trainer_pid(c: Cluster, job_id: str) -> int:
+    from store.models import Assignment
+
+    def pid() -> int | None:
+        with c.session() as s:
+            return s.scalar(
+                select(Assignment.pid)
+                .where(Assignment.job_id == job_id, Assignment.ended_at.is_(None))
+                .order_by(Assignment.id.desc())
+            )
+
+    return wait_for(pid, 60, "the trainer's pid")
+
+
+def _checkpointed_and_running(c: Cluster, job_id: str, min_step: int) -> bool:
+    j = c.job(job_id)
+    if j["state"] != "running":
+        return False
+    cks = c.get(f"/v1/jobs/{job_id}/checkpoints")["items"]
+    return any(ck["step"] >= min_step for ck in cks)
+
+
+def test_digits_job_trains_and_its_checkpoint_downloads(cluster: Cluster) -> None:
+    c = cluster
+    job = c.submit(DIGITS)
+    assert job["state"] == "queued"
+    done = c.wait_state(job["id"], "succeeded")
+    assert done["attempt"] == 1 and done["attempts"][0]["exit_code"] == 0
+    assert done["progress"]["step"] == done["progress"]["total_steps"] > 0
+    steps, losses = c.metrics(job["id"], "train/loss")
+    assert len(steps) == len(set(steps)) > 10
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first * 0.7, (first, last)
+    # The latest resume checkpoint: its bytes hash to the advertised sha256 and it loads
+    # without pickle code execution.
+    cks = [ck for ck in c.get(f"/v1/jobs/{job['id']}/checkpoints")["items"]]
+    assert cks
+    r = c.http.get(f"/v1/jobs/{job['id']}/checkpoints/latest/download")
+    assert r.status_code == 200
+    digest = hashlib.sha256(r.content).hexdigest()
+    assert digest in {ck["sha256"] for ck in cks}
+    assert r.headers.get("etag", "").strip('"') == digest
+    state = torch.load(io.BytesIO(r.content), weights_only=True, map_location="cpu")
+    assert isinstance(state, dict) and state
+    log = c.job_log(job["id"])
+    assert "attempt 1, rank 0/1" in log
+
+
+def test_world_size_2_matches_world_size_1(cluster: Cluster) -> None:
+    c = cluster
+    one = c.submit(dict(DIGITS, world_size=1))
+    two = c.submit(dict(DIGITS, world_size=2))
+    c.wait_state(one["id"], "succeeded")
+    j2 = c.wait_state(two["id"], "succeeded", timeout=180)
+    a = j2["attempts"][0]
+    assert sorted(w["rank"] for w in a["workers"]) == [0, 1]
+    assert len({w["worker_id"] for w in a["workers"]}) == 2
+    assert a["rank0_endpoint"]
+    w1, w2 = _weights(c, one["id"]), _weights(c, two["id"])
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-4, rtol=1e-3), k
+    _, l1 = c.metrics(one["id"], "val/loss")
+    _, l2 = c.metrics(two["id"], "val/loss")
+    assert abs(l1[-1] - l2[-1]) < 1e-3
+
+
+def test_big_gang_waits_without_blocking_a_small_job(cluster: Cluster) -> None:
+    c = cluster
+    big = c.submit(dict(DIGITS, world_size=3, batch_size=63, priority=5))
+    small = c.submit(DIGITS)
+    c.wait_state(small["id"], "succeeded")
+    j = c.job(big["id"])
+    assert j["state"] == "queued"
+    assert j["pending_reason"] == "needs 3 workers, 2 registered"
+    r = c.http.post(f"/v1/jobs/{big['id']}/cancel")
+    assert r.status_code == 202
+    c.wait_state(big["id"], "cancelled")
+
+
+def test_a_duplicated_task_message_starts_one_trainer(cluster: Cluster) -> None:
+    from store.broker import RUN_TASK, make_celery, worker_queue
+    from store.models import Assignment
+
+    c = cluster
+    settings = c.settings()
+    app = make_celery(settings)
+    job = c.submit(dict(DIGITS, epochs=6))
+
+    def assignment() -> tuple[int, str] | None:
+        with c.session() as s:
+            row = s.execute(
+                select(Assignment.id, Assignment.worker_id).where(Assignment.job_id == job["id"])
+            ).first()
+        return (row[0], row[1]) if row else None
+
+    aid, wid = wait_for(assignment, 60, "the job's assignment")
+    other = "w1" if wid == "w0" else "w0"
+    # The same message again, twice to its worker and once to another worker.
+    for target in (wid, wid, other):
+        app.send_task(RUN_TASK, args=[aid], queue=worker_queue(settings, target))
+    c.wait_state(job["id"], "succeeded")
+    marker = f"assignment {aid}: not claimable here"
+    wait_for(
+        lambda: c.log_of(wid).count(marker) + c.log_of(other).count(marker) >= 3,
+        60,
+        "the duplicates to be delivered and ignored",
+    )
+    started = [e for e in _events(c, job["id"]) if e["type"] == "started"]
+    assert len(started) == 1
+    assert c.job_log(job["id"]).count("===== torchyard: attempt 1, rank 0/1, worker") == 1
+    assert len(c.job(job["id"])["attempts"]) == 1
+    c.wait_workers(2)
+
+
+def test_cancel_ends_a_running_job_within_5s(cluster: Cluster) -> None:
+    c = cluster
+    job = c.submit(LONG)
+    c.wait_state(job["id"], "running", timeout=120)
+    pid = _trainer_pid(c, job["id"])
+    wait_for(lambda: _checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
+    t0 = time.monotonic()
+    r = c.http.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 202
+    c.wait_state(job["id"], "cancelled", timeout=5)
+    assert time.monotonic() - t0 < 5
+    from store.paths import job_dir
+
+    assert not pid_alive(pid)
+    assert processes_mentioning(str(job_dir(c.storage, job["id"]))) == []
+    # What it saved stays downloadable.
+    r = c.http.get(f"/v1/jobs/{job['id']}/checkpoints/latest/download")
+    assert r.status_code == 200 and r.content
+    c.wait_workers(2)
+
+
+def test_sigkilled_worker_job_resumes_elsewhere_bitwise_equal(cluster: Cluster) -> None:
+    c = cluster
+    ref = c.submit(LONG)
+    c.wait_state(ref["id"], "succeeded", timeout=180)
+
+    job = c.submit(LONG)
+    wait_for(lambda: _checkpointed_and_running(c, job["id"], 80), 120, "a checkpoint at step 80")
+    victim = _running_worker(c, job["id"])
+    trainer = _trainer_pid(c, job["id"])
+    step_at_kill = max(ck["step"] for ck in c.get(f"/v1/jobs/{job['id']}/checkpoints")["items"])
+    c.kill(victim, signal.SIGKILL)
+    # The parent-death signal takes the trainer down with its worker.
+    wait_for(lambda: not pid_alive(trainer), 10, "the orphaned trainer to die")
+    done = c.wait_state(job["id"], "succeeded", timeout=240)
+    first, second = done["attempts"][0], done["attempts"][1]
+    assert first["state"] == "lost" and "no heartbeat" in first["reason"]
+    assert second["workers"][0]["worker_id"] != victim
+    assert done["attempt"] == 2 and step_at_kill < done["progress"]["total_steps"]
+    assert "resuming from checkpoints/step-" in c.job_log(job["id"])
+    # Exact resume: the same final weights as the uninterrupted run, bit for bit.
+    a, b = _weights(c, ref["id"]), _weights(c, job["id"])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # The replayed steps were stored once each, with no gap.
+    steps, _ = c.metrics(job["id"], "train/loss")
+    total = done["progress"]["total_steps"]
+    assert steps == list(range(5, total + 1, 5))
+    c.start_worker(victim)
+    c.wait_workers(2)
+
+
+def test_sigterm_worker_hands_its_job_back(cluster: Cluster) -> None:
+    c = cluster
+    job = c.submit(LONG)
+    wait_for(lambda: _checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
+    victim = _running_worker(c, job["id"])
+    c.kill(victim, signal.SIGTERM)
+    assert c.procs[victim].wait(timeout=60) == 0
+    done = c.wait_state(job["id"], "succeeded", timeout=240)
+    first = done["attempts"][0]
+    assert first["state"] == "handed_back", first
+    assert first["exit_code"] == 75
+    workers = {w["id"]: w for w in c.get("/v1/workers")["items"]}
+    assert workers[victim]["state"] == "stopped"
+    c.start_worker(victim)
+    c.wait_workers(2)
+
+
+def test_no_worker_ever_ran_two_assignments_at_once(cluster: Cluster) -> None:
+    """Over everything this module ran with two schedulers: per worker, the assignments'
+    [created, ended] intervals never overlap, and each job's attempts are numbered once."""
+    from store.models import Assignment, Attempt
+
+    with cluster.session() as s:
+        rows = s.execute(
+            select(Assignment.worker_id, Assignment.created_at, Assignment.ended_at).order_by(
+                Assignment.worker_id, Assignment.created_at
+            )
+        ).all()
+        numbers = s.execute(select(Attempt.job_id, Attempt.number)).all()
+    assert len(rows) > 10
+    for (w1, _, end1), (w2, start2, _) in itertools.pairwise(rows):
+        if w1 == w2:
+            assert end1 is not None and end1 <= start2, (w1, end1, start2)
+    assert len(numbers) == len(set(numbers))

@@ -1,0 +1,103 @@
+"""`torchyard scheduler` and `torchyard worker (--gpu N | --device cpu) [--name ID]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from store.settings import Settings, get_settings
+
+
+def _settings() -> Settings | None:
+    try:
+        return get_settings()
+    except ValidationError as e:
+        for err in e.errors():
+            print(f"torchyard: bad setting: {err['msg']}", file=sys.stderr)
+        return None
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="torchyard worker",
+        description="Run one worker: a Celery worker (concurrency 1) on its own queue that "
+        "runs one trainer at a time, pinned to one GPU (or a CPU slot). SIGTERM or Ctrl-C "
+        "stops it cleanly: a running trainer checkpoints and its job goes back to the queue.",
+    )
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--gpu", type=int, metavar="N", help="GPU index to pin (CUDA_VISIBLE_DEVICES=N)")
+    g.add_argument("--device", choices=["cpu"], help="a CPU slot (sees no GPU)")
+    p.add_argument(
+        "--name",
+        metavar="ID",
+        help="worker id (default: HOST-gpuN, or the first free HOST-cpuK); "
+        "a restarted worker with the same id takes over its row",
+    )
+    p.add_argument(
+        "--advertise-addr",
+        metavar="ADDR",
+        help="address other hosts use for this worker's rendezvous "
+        "(default: $TORCHYARD_ADVERTISE_ADDR, else the host name's address)",
+    )
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.gpu is not None and args.gpu < 0:
+        p.error("--gpu must be >= 0")
+    _logging(args.log_level)
+    settings = _settings()
+    if settings is None:
+        return 2
+
+    from worker.identity import SlotTaken, advertise_address, claim_id, cpu_device, gpu_device
+    from worker.node import WorkerNode
+
+    try:
+        wid, lock = claim_id(settings.home.resolve() / "locks", name=args.name, gpu=args.gpu)
+    except (SlotTaken, ValueError) as e:
+        print(f"torchyard worker: {e}", file=sys.stderr)
+        return 2
+    device = gpu_device(args.gpu) if args.gpu is not None else cpu_device()
+    node = WorkerNode(settings, wid, device, args.advertise_addr or advertise_address(), lock)
+    return node.run()
+
+
+def scheduler_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="torchyard scheduler",
+        description="Give queued jobs to idle workers (gang-scheduled), reap workers whose "
+        "heartbeat stopped, and re-send assignments whose message was lost. Several "
+        "schedulers may run at once.",
+    )
+    p.add_argument(
+        "--tick", type=float, default=2.0, metavar="SECONDS", help="periodic pass interval"
+    )
+    p.add_argument(
+        "--reserve-after",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a job waiting this long reserves idle workers (no more backfill past it)",
+    )
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.tick <= 0:
+        p.error("--tick must be > 0")
+    _logging(args.log_level)
+    settings = _settings()
+    if settings is None:
+        return 2
+
+    from worker.scheduler import Scheduler
+
+    return Scheduler(settings, tick_s=args.tick, reserve_after_s=args.reserve_after).run()

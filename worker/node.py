@@ -1,0 +1,169 @@
+"""The worker process: one Celery worker (solo pool, concurrency 1, prefetch 1) on its
+own queue, registered in the store with a heartbeat thread.
+
+Why the solo pool: the task runs in the main process's main thread, so (a) there is no
+forked pool child at all, (b) the trainer is started from a thread that lives as long as
+the worker, which is what the parent-death signal follows, and (c) Celery's warm
+shutdown on SIGTERM lets the running task finish: the task sees `stopping`, has the
+trainer checkpoint and exit, hands the job back, and only then does the worker exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import IO, Any
+
+from store.broker import RUN_TASK, make_celery, wake_scheduler, worker_queue
+from store.db import session_scope
+from store.settings import Settings
+from store.workers import (
+    LOST,
+    WorkerInfo,
+    deregister,
+    heartbeat,
+    register_worker,
+    release_worker,
+    stop_accepting,
+)
+from worker.identity import Device
+from worker.supervisor import WorkerContext, run_assignment
+
+log = logging.getLogger(__name__)
+
+HB_POLL_S = 0.2
+
+
+class WorkerNode:
+    def __init__(
+        self,
+        settings: Settings,
+        worker_id: str,
+        device: Device,
+        advertise_addr: str,
+        lock: IO[str] | None = None,
+    ):
+        self.settings = settings
+        self.queue = worker_queue(settings, worker_id)
+        self.ctx = WorkerContext(settings, worker_id, device, advertise_addr)
+        self._lock = lock  # held for the process's life: this slot is ours
+        self._hb_stop = threading.Event()
+        self._stop_marked = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.ctx.worker_id
+
+    def info(self) -> WorkerInfo:
+        d = self.ctx.device
+        return WorkerInfo(
+            id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            queue=self.queue,
+            device=d.kind,
+            gpu=d.gpu,
+            device_name=d.name,
+            memory_bytes=d.memory_bytes,
+        )
+
+    def register(self) -> None:
+        with session_scope(self.settings.db_url) as s:
+            lost = register_worker(s, self.info())
+        if lost:
+            log.warning("previous process of %s left jobs %s; marked lost", self.worker_id, lost)
+        log.info("worker %s registered (queue %s)", self.worker_id, self.queue)
+        wake_scheduler(self.settings)
+
+    def _heartbeat_loop(self) -> None:
+        next_beat = 0.0
+        while not self._hb_stop.wait(HB_POLL_S):
+            try:
+                if self.ctx.stopping.is_set() and not self._stop_marked:
+                    # Outside the signal handler: take no new work from now on.
+                    with session_scope(self.settings.db_url) as s:
+                        stop_accepting(s, self.worker_id)
+                    self._stop_marked = True
+                if time.monotonic() < next_beat:
+                    continue
+                next_beat = time.monotonic() + self.settings.heartbeat_interval_s
+                with session_scope(self.settings.db_url) as s:
+                    state = heartbeat(s, self.worker_id)
+                if (
+                    state in (LOST, None)
+                    and self.ctx.current_assignment is None
+                    and not self.ctx.stopping.is_set()
+                ):
+                    # Declared lost while alive (a long stall): come back as a fresh worker.
+                    log.warning("worker %s was marked %s; registering again", self.worker_id, state)
+                    self.register()
+            except Exception as e:
+                log.warning("heartbeat failed (%s)", e)
+
+    def _on_shutdown(self, **_: Any) -> None:
+        # Called inside Celery's signal handler: only set a flag.
+        self.ctx.stopping.set()
+
+    def _task(self, assignment_id: int) -> None:
+        aid = int(assignment_id)
+        if self.ctx.stopping.is_set():
+            # Taken off the queue after the stop began: give it back untouched.
+            with session_scope(self.settings.db_url) as s:
+                deregister(s, self.worker_id)
+            wake_scheduler(self.settings)
+            return
+        started = False
+        try:
+            started = run_assignment(self.ctx, aid)
+        finally:
+            if started:
+                try:
+                    with session_scope(self.settings.db_url) as s:
+                        if self.ctx.stopping.is_set():
+                            # Never idle again: the scheduler must not hand it a new job.
+                            deregister(s, self.worker_id)
+                        else:
+                            release_worker(s, self.worker_id, aid)
+                except Exception as e:  # the scheduler's reconciler frees it later
+                    log.warning("could not release worker %s (%s)", self.worker_id, e)
+                wake_scheduler(self.settings)
+
+    def run(self) -> int:
+        from celery import signals
+
+        self.register()
+        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        hb.start()
+        app = make_celery(self.settings)
+        app.conf.worker_enable_remote_control = False
+        app.conf.worker_redirect_stdouts = False
+        app.task(name=RUN_TASK, acks_late=True, ignore_result=True)(self._task)
+        signals.worker_shutting_down.connect(self._on_shutdown, weak=False)
+        w = app.Worker(
+            hostname=f"{self.worker_id}@{socket.gethostname()}",
+            queues=[self.queue],
+            pool_cls="solo",
+            concurrency=1,
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+            loglevel=logging.getLevelName(logging.getLogger().level),
+            quiet=True,
+        )
+        try:
+            w.start()
+        finally:
+            self.ctx.stopping.set()
+            self._hb_stop.set()
+            hb.join(timeout=5)
+            try:
+                with session_scope(self.settings.db_url) as s:
+                    deregister(s, self.worker_id)
+                log.info("worker %s deregistered", self.worker_id)
+            except Exception as e:
+                log.warning("could not deregister %s (%s)", self.worker_id, e)
+            wake_scheduler(self.settings)
+        return int(w.exitcode or 0)

@@ -1,0 +1,147 @@
+"""The scheduler process: a Celery consumer of the control queue (SCHEDULE_TASK wake-ups
+from the API and the workers) plus a periodic tick that runs the reaper, the reconciler
+and a scheduling pass, so that a lost wake-up or a lost assignment message only costs a
+tick. The store is the truth; the broker only wakes things up."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from datetime import datetime, timedelta
+from typing import Any
+
+from store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
+from store.broker import RUN_TASK, SCHEDULE_TASK, control_queue, make_celery
+from store.db import session_scope
+from store.models import utcnow
+from store.scheduling import RESERVE_AFTER_S, Dispatch, resend_due, schedule
+from store.settings import Settings
+from store.workers import reap_stale_workers, release_orphaned_workers
+
+log = logging.getLogger(__name__)
+
+TICK_S = 2.0
+RESEND_AFTER_S = 3.0  # an assignment unclaimed this long may have lost its message
+RESEND_EVERY_S = 5.0  # then again at most this often (duplicates are harmless: the lease)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tick_s: float = TICK_S,
+        reserve_after_s: float = RESERVE_AFTER_S,
+    ):
+        self.settings = settings
+        self.tick_s = tick_s
+        self.reserve_after_s = reserve_after_s
+        self.app = make_celery(settings)
+        self.app.conf.worker_enable_remote_control = False
+        self.app.conf.worker_redirect_stdouts = False
+        self._lock = threading.Lock()  # the wake-up task and the tick never overlap here
+        self._stop = threading.Event()
+        self._last_sent: dict[int, datetime] = {}
+
+    def _send(self, assignment_id: int, queue: str) -> bool:
+        try:
+            self.app.send_task(
+                RUN_TASK, args=[assignment_id], queue=queue, retry=False, ignore_result=True
+            )
+            return True
+        except Exception as e:  # the reconciler re-sends it
+            log.warning("could not send assignment %d to %s (%s)", assignment_id, queue, e)
+            return False
+
+    def schedule_pass(self, why: str = "tick") -> list[Dispatch]:
+        with self._lock:
+            with session_scope(self.settings.db_url) as s:
+                out = schedule(
+                    s,
+                    heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
+                    reserve_after_s=self.reserve_after_s,
+                )
+            # After the commit: a worker must find its assignment when the message arrives.
+            for d in out:
+                self._send(d.assignment_id, d.queue)
+                log.info(
+                    "job %s rank %d -> %s (assignment %d, %s)",
+                    d.job_id,
+                    d.rank,
+                    d.worker_id,
+                    d.assignment_id,
+                    why,
+                )
+            return out
+
+    def reap(self) -> int:
+        with self._lock, session_scope(self.settings.db_url) as s:
+            reaped = reap_stale_workers(s, self.settings.heartbeat_timeout_s)
+            freed = release_orphaned_workers(s)
+        for wid, jobs in reaped:
+            log.warning("worker %s lost (stale heartbeat); jobs re-queued or failed: %s", wid, jobs)
+        for wid in freed:
+            log.info("worker %s released (its assignment was over)", wid)
+        return len(reaped) + len(freed)
+
+    def reconcile(self) -> int:
+        older = utcnow() - timedelta(seconds=RESEND_AFTER_S)
+        with self._lock:
+            with session_scope(self.settings.db_url) as s:
+                abandoned = abandon_assignments_of_gone_workers(s, older)
+            if abandoned:
+                log.warning(
+                    "handed back %d attempts assigned to workers that went away", len(abandoned)
+                )
+            with session_scope(self.settings.db_url) as s:
+                rows = unclaimed_assignments(s, older)
+            live = {a for a, _, _ in rows}
+            self._last_sent = {k: v for k, v in self._last_sent.items() if k in live}
+            n = 0
+            for aid, wid, queue in rows:
+                if resend_due(self._last_sent, aid, RESEND_EVERY_S) and self._send(aid, queue):
+                    log.info("re-sent assignment %d to %s (unclaimed)", aid, wid)
+                    n += 1
+            return n
+
+    def tick(self) -> None:
+        for step in (self.reap, self.reconcile, self.schedule_pass):
+            try:
+                step()
+            except Exception as e:  # the next tick retries; never kill the loop
+                log.warning("scheduler %s failed: %s", step.__name__, e)
+
+    def _tick_loop(self) -> None:
+        self.tick()
+        while not self._stop.wait(self.tick_s):
+            self.tick()
+
+    def _wake(self, *_: Any, **__: Any) -> None:
+        try:
+            self.schedule_pass("wake-up")
+        except Exception as e:
+            log.warning("scheduling pass failed: %s", e)
+
+    def run(self) -> int:
+        t = threading.Thread(target=self._tick_loop, name="scheduler-tick", daemon=True)
+        t.start()
+        self.app.task(name=SCHEDULE_TASK, acks_late=True, ignore_result=True)(self._wake)
+        w = self.app.Worker(
+            hostname=f"scheduler-{os.getpid()}@{socket.gethostname()}",
+            queues=[control_queue(self.settings)],
+            pool_cls="solo",
+            concurrency=1,
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+            loglevel=logging.getLevelName(logging.getLogger().level),
+            quiet=True,
+        )
+        try:
+            w.start()
+        finally:
+            self._stop.set()
+            t.join(timeout=10)
+        return int(w.exitcode or 0)
