@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     """TORCHYARD_CANCEL_GRACE_S: time between SIGTERM and SIGKILL of a cancelled trainer."""
     rendezvous_timeout_s: float = Field(default=60.0, gt=0)
     """TORCHYARD_RENDEZVOUS_TIMEOUT_S: how long a rank waits for rank 0's endpoint."""
+    advertise_addr: str | None = None
+    """TORCHYARD_ADVERTISE_ADDR: address other hosts use to reach this host's rendezvous
+    (default: the address the host name resolves to; set it on multi-host clusters)."""
     queue_prefix: str = Field(default="torchyard", pattern=r"^[A-Za-z0-9_.-]+$")
     """TORCHYARD_QUEUE_PREFIX: prefix of every broker queue name (one prefix per cluster)."""
 

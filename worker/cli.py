@@ -68,7 +68,13 @@ def worker_main(argv: list[str]) -> int:
         print(f"torchyard worker: {e}", file=sys.stderr)
         return 2
     device = gpu_device(args.gpu) if args.gpu is not None else cpu_device()
-    node = WorkerNode(settings, wid, device, args.advertise_addr or advertise_address(), lock)
+    node = WorkerNode(
+        settings,
+        wid,
+        device,
+        args.advertise_addr or advertise_address(settings.advertise_addr),
+        lock,
+    )
     return node.run()
 
 

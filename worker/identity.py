@@ -109,12 +109,11 @@ def gpu_device(index: int) -> Device:
     return Device("cuda", index, name, mem)
 
 
-def advertise_address() -> str:
+def advertise_address(configured: str | None) -> str:
     """Where other hosts reach this one's rendezvous: TORCHYARD_ADVERTISE_ADDR, else the
     address the host name resolves to (multi-host clusters should set it)."""
-    env = os.environ.get("TORCHYARD_ADVERTISE_ADDR")
-    if env:
-        return env
+    if configured:
+        return configured
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

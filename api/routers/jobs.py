@@ -38,17 +38,10 @@ SUBMIT_BODY = {
 }
 
 
-def _missing_dataset_files(name: str, settings: Settings) -> list[str]:
-    check = getattr(job_spec, "missing_dataset_files", None)
-    if check is None:  # older trainer/spec.py: nothing to check against
-        return []
-    return [str(p) for p in check(name, settings.data)]
-
-
 def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """What only the server knows: the data set is on disk, the world size is allowed."""
     problems = []
-    missing = _missing_dataset_files(spec.data.name, settings)
+    missing = [str(p) for p in job_spec.missing_dataset_files(spec.data.name, settings.data)]
     if missing:
         problems.append(
             (

@@ -58,7 +58,14 @@ def test_downsampling_keeps_last_min_and_max(session: Session, factory: Factory,
             [{"name": "train/loss", "step": s, "value": points[s], "time": 1.0} for s in range(9_000, 12_000)],
         )  # fmt: skip
     session.commit()
-    for max_points, after in ((1000, -1), (37, -1), (500, 12_345), (50, 11_990), (3, 100), (10_000, -1)):
+    for max_points, after in (
+        (1000, -1),
+        (37, -1),
+        (500, 12_345),
+        (50, 11_990),
+        (3, 100),
+        (10_000, -1),
+    ):
         series = query_series(
             session, job, names=["train/loss"], max_points=max_points, after_step=after
         )
