@@ -6,10 +6,13 @@ without loading torch, and the trainer reads the same models.
 `parse_spec(obj)` is the one entry point. Every problem in a spec is reported
 at once as a `SpecError` whose `problems` are `(field, message)` pairs, the
 field written as a dotted path (`optimizer.lr`, `model.hidden.0`).
+`missing_dataset_files(name, data_root)` lists the files a data set needs that are not on
+disk, so the API can refuse a submit (422) before anything is queued.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -25,6 +28,8 @@ Precision = Literal["auto", "fp32", "fp16", "bf16"]
 
 # Data sets that ship a held-out test split; the others are split by val_fraction.
 DATASETS_WITH_TEST_SPLIT = frozenset({"mnist", "fashion_mnist", "cifar10"})
+# Models that take [channels, height, width] images.
+CONV_MODELS = frozenset({"lenet", "resnet18"})
 # Default learning rate per optimizer when the spec gives none.
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
 
@@ -32,8 +37,9 @@ PositiveInt = Annotated[int, Field(gt=0)]
 
 
 class _Strict(BaseModel):
-    # Unknown fields are errors; no silent coercion of "128" into 128 or 1 into True.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Unknown fields are errors; no silent coercion of "128" into 128 or 1 into True;
+    # NaN and infinity (which Python's json accepts) are refused everywhere.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 def _problems(problems: list[tuple[str, str]]) -> None:
@@ -214,6 +220,16 @@ class JobSpec(_Strict):
         problems = []
         if self.batch_size % self.world_size:
             problems.append(("batch_size", f"must be divisible by world_size ({self.world_size})"))
+        shape = self.data.sample_shape
+        if self.model.name in CONV_MODELS and self.data.name == "synthetic":
+            if len(shape) != 3:
+                problems.append(
+                    ("data.shape", f"model '{self.model.name}' needs [channels, height, width]")
+                )
+            elif min(shape[1:]) < 4:
+                problems.append(
+                    ("data.shape", f"model '{self.model.name}' needs height, width >= 4")
+                )
         _problems(problems)
         return self
 
@@ -302,3 +318,52 @@ def parse_spec(obj: Any) -> JobSpec:
 def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     """The spec as plain JSON types, with every default written out."""
     return spec.model_dump(mode="json")
+
+
+# Files of each on-disk data set, relative to the data root, in torchvision's layouts
+# (`<root>/MNIST/raw/…`, `<root>/cifar-10-batches-py/…`); idx files may also be gzipped.
+_IDX = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+DATASET_FILES: dict[str, tuple[str, ...]] = {
+    "mnist": tuple(f"MNIST/raw/{f}" for f in _IDX),
+    "fashion_mnist": tuple(f"FashionMNIST/raw/{f}" for f in _IDX),
+    "cifar10": tuple(
+        f"cifar-10-batches-py/{f}"
+        for f in (
+            "data_batch_1",
+            "data_batch_2",
+            "data_batch_3",
+            "data_batch_4",
+            "data_batch_5",
+            "test_batch",
+        )
+    ),
+}
+# Sets whose idx files may be stored gzipped (`<file>.gz`) instead.
+_GZIP_OK = frozenset({"mnist", "fashion_mnist"})
+
+
+def dataset_file(name: str, data_root: Path, relative: str) -> Path | None:
+    """The path of one data file as found on disk (plain, or `.gz` where allowed), or None."""
+    plain = data_root / relative
+    if plain.is_file():
+        return plain
+    if name in _GZIP_OK:
+        gz = data_root / (relative + ".gz")
+        if gz.is_file():
+            return gz
+    return None
+
+
+def missing_dataset_files(name: str, data_root: Path) -> list[Path]:
+    """The files looked for under `data_root` that are absent (empty when all are present, or
+    when the data set needs no files: `digits`, `synthetic`). A gzipped idx file counts."""
+    return [
+        data_root / rel
+        for rel in DATASET_FILES.get(name, ())
+        if dataset_file(name, data_root, rel) is None
+    ]

@@ -1,0 +1,181 @@
+"""The import rules of DESIGN.md, read from the source with `ast` (every import statement,
+also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("literal")):
+
+- `trainer` imports nothing of ours and no service library (fastapi, celery, sqlalchemy,
+  redis, kombu, …): it runs under plain torchrun.
+- `trainer/spec.py` imports pydantic only (and the standard library), never torch;
+  `trainer/__init__.py` and `trainer/exitcodes.py` import the standard library only, so
+  the API and the worker load them without torch.
+- `api` and `worker` import `store` and `trainer.spec` (`trainer.exitcodes` too), never each
+  other and never the trainer's training code.
+- `store` sits below them: it imports neither api, worker, client nor training code.
+- `client` imports nothing server-side: HTTP only.
+
+A package not in the tree yet is skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = {"trainer", "store", "api", "worker", "client", "torchyard", "migrations"}
+SERVICE_LIBS = {"fastapi", "starlette", "uvicorn", "celery", "kombu", "sqlalchemy", "alembic",
+                "redis", "psycopg", "psycopg2", "pydantic_settings"}  # fmt: skip
+TRAINER_PUBLIC = {"trainer.spec", "trainer.exitcodes"}  # torch-free, for api and worker
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+@dataclass(frozen=True)
+class Import:
+    file: Path
+    line: int
+    module: str  # absolute dotted name
+
+    @property
+    def top(self) -> str:
+        return self.module.split(".")[0]
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} imports {self.module}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_our_module(name: str) -> bool:
+    p = REPO.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def imports_of(path: Path, me: str | None = None) -> list[Import]:
+    """Every module a file imports, as absolute names (`from trainer import spec` → trainer.spec).
+    `me` is the file's dotted module name (default: from its place in the repo)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    me = me or _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: list[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(path, node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                found.append(Import(path, node.lineno, sub if _is_our_module(sub) else mod))
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (
+                    isinstance(node.func, ast.Name)
+                    and node.func.id in ("__import__", "import_module")
+                )
+            )
+        ):
+            found.append(Import(path, node.lineno, node.args[0].value))
+    return found
+
+
+def package_imports(package: str) -> list[Import]:
+    root = REPO / package
+    if not (root / "__init__.py").is_file():
+        pytest.skip(f"package {package!r} is not in the tree yet")
+    return [i for f in sorted(root.rglob("*.py")) for i in imports_of(f)]
+
+
+def _violations(imports: list[Import], bad) -> list[str]:
+    return [str(i) for i in imports if bad(i)]
+
+
+def test_trainer_imports_nothing_of_ours_and_no_service_library() -> None:
+    found = package_imports("trainer")
+    assert found, "parsed nothing"
+    bad = _violations(
+        found, lambda i: (i.top in OURS and i.top != "trainer") or i.top in SERVICE_LIBS
+    )
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "allowed"),
+    [
+        ("trainer/spec.py", STDLIB | {"pydantic", "pydantic_core"}),
+        ("trainer/exitcodes.py", STDLIB),
+        ("trainer/__init__.py", STDLIB),
+    ],
+)
+def test_torch_free_trainer_modules(module: str, allowed: set[str]) -> None:
+    path = REPO / module
+    if not path.is_file():
+        pytest.skip(f"{module} is not in the tree yet")
+    bad = _violations(imports_of(path), lambda i: i.top not in allowed)
+    assert not bad, "\n".join(bad)
+
+
+def test_spec_and_exitcodes_load_without_torch() -> None:
+    """The same rule, run: importing them must not pull torch in (directly or through
+    trainer/__init__.py)."""
+    if not (REPO / "trainer" / "spec.py").is_file():
+        pytest.skip("trainer/spec.py is not in the tree yet")
+    code = (
+        "import sys, trainer.spec, trainer.exitcodes; "
+        "heavy = sorted(m for m in ('torch', 'numpy', 'torchvision') if m in sys.modules); "
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={"PYTHONPATH": str(REPO), "PATH": ""})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"loaded: {out.stdout.strip()}"
+
+
+def _uses_trainer_beyond_spec(i: Import) -> bool:
+    return i.top == "trainer" and i.module not in TRAINER_PUBLIC
+
+
+@pytest.mark.parametrize(("package", "forbidden"), [("api", {"worker", "client"}),
+                                                    ("worker", {"api", "client"}),
+                                                    ("store", {"api", "worker", "client"})])  # fmt: skip
+def test_server_packages_keep_their_layers(package: str, forbidden: set[str]) -> None:
+    found = package_imports(package)
+    bad = _violations(found, lambda i: i.top in forbidden or _uses_trainer_beyond_spec(i))
+    assert not bad, "\n".join(bad)
+
+
+def test_client_imports_nothing_server_side() -> None:
+    found = package_imports("client")
+    server = {"store", "api", "worker", "trainer", "torch", "torchvision"} | SERVICE_LIBS
+    bad = _violations(found, lambda i: i.top in server)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
+    """The parser itself: relative imports, `from pkg import submodule`, imports inside
+    functions and importlib.import_module with a literal."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import os\nfrom trainer import exitcodes\nfrom . import data\nfrom .models import mlp\n"
+        "def f():\n    import sqlalchemy.orm\n    import importlib\n"
+        "    return importlib.import_module('celery')\n"
+    )
+    found = {i.module for i in imports_of(sample, me="trainer.sample")}
+    assert found == {"os", "trainer.exitcodes", "trainer.data", "trainer.models", "sqlalchemy.orm",
+                     "importlib", "celery"}  # fmt: skip

@@ -1,0 +1,88 @@
+"""Process topology: which device this rank drives, whether DDP is on, and the few
+collectives the loop needs. Under torchrun the environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT) says it all; without it the process is rank 0 of 1.
+A worker pins its GPU with CUDA_VISIBLE_DEVICES, so `cuda:LOCAL_RANK` is counted
+among the visible devices only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone writes events, checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def ddp(self) -> bool:
+        return self.world_size > 1
+
+
+def setup() -> Dist:
+    """Pick the device (CUDA if present, else CPU) and join the process group under torchrun:
+    NCCL on CUDA, gloo on CPU."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+    return Dist(rank=rank, local_rank=local, world_size=world, device=device)
+
+
+def teardown(d: Dist) -> None:
+    if d.ddp and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks in place (a no-op for one process)."""
+    if d.ddp:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(d: Dist) -> None:
+    if d.ddp:
+        dist.barrier()
+
+
+def gather_to_main(d: Dist, obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (rank 0 uses the result; others get it too)."""
+    if not d.ddp:
+        return [obj]
+    out: list[Any] = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """DESIGN.md: `auto` is bf16 on CUDA where supported, else fp16; fp32 on CPU."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)

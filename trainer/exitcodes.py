@@ -1,0 +1,31 @@
+"""Exit codes of `python -m trainer` / each torchrun rank.
+
+Torch-free and import-free, so the worker can map an exit status to an outcome
+without loading the trainer. Under torchrun the launcher's own exit status is
+not these codes (it reports any failed rank as 1): read the run's events
+(`stopped`, `error`, `finished`) for the outcome instead.
+"""
+
+from __future__ import annotations
+
+OK = 0
+"""Training finished; a `finished` event was written."""
+FAILED = 1
+"""An `error` event was written (kind `data` or `internal`)."""
+BAD_SPEC = 2
+"""The spec (or the command line) is invalid; nothing was written."""
+NONFINITE_LOSS = 3
+"""The loss became NaN/inf; an `error` event (kind `nonfinite_loss`) names the step."""
+OUT_OF_MEMORY = 4
+"""The device (or host) ran out of memory; an `error` event (kind `out_of_memory`) was written."""
+PREEMPTED = 75
+"""SIGTERM (or SIGINT) received: a checkpoint was saved, a `stopped` event written; resumable."""
+
+NAMES = {
+    OK: "ok",
+    FAILED: "failed",
+    BAD_SPEC: "bad_spec",
+    NONFINITE_LOSS: "nonfinite_loss",
+    OUT_OF_MEMORY: "out_of_memory",
+    PREEMPTED: "preempted",
+}

@@ -1,0 +1,78 @@
+"""The models a spec can name. Input shape and class count come from the data."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainer.spec import ModelSpec
+
+
+def mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:
+    """Flatten, then Linear+ReLU per hidden width (the seed article's 784-128-10 by default)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+class LeNet(nn.Module):
+    """The classic CNN of the seed article (conv 6-16 with 5x5 kernels, fc 120-84). Images
+    smaller than 16 pixels a side (digits' 8x8) get padding 2 so both poolings fit."""
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int):
+        super().__init__()
+        c, h, w = in_shape
+        pad = 0 if min(h, w) >= 16 else 2
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 6, 5, padding=pad),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5, padding=pad),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            flat = self.features(torch.zeros(1, c, h, w)).shape[1]
+        self.classifier = nn.Sequential(
+            nn.Linear(flat, 120),
+            nn.ReLU(inplace=True),
+            nn.Linear(120, 84),
+            nn.ReLU(inplace=True),
+            nn.Linear(84, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def resnet18(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """torchvision's ResNet-18 (random init, nothing downloaded) with a small-image stem:
+    a 3x3 stride-1 first conv and no max-pool, as is usual for 32x32 inputs."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    m = tv_resnet18(weights=None, num_classes=num_classes)
+    m.conv1 = nn.Conv2d(in_shape[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
+    m.maxpool = nn.Identity()  # type: ignore[assignment]
+    return m
+
+
+def build_model(spec: ModelSpec, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """The spec's model for samples of `in_shape`; the caller seeds torch first."""
+    if spec.name == "mlp":
+        return mlp(math.prod(in_shape), spec.hidden_sizes, num_classes)
+    if len(in_shape) != 3:
+        raise ValueError(
+            f"model '{spec.name}' needs images [C, H, W], the data has {list(in_shape)}"
+        )
+    if spec.name == "lenet":
+        return LeNet(in_shape, num_classes)
+    if spec.name == "resnet18":
+        return resnet18(in_shape, num_classes)
+    raise ValueError(f"unknown model {spec.name!r}")
