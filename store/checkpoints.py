@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from store.models import Checkpoint
@@ -80,3 +80,16 @@ def checkpoint_file(storage_root: Path, row: Checkpoint) -> Path:
     if not target.is_file():
         raise FileNotFoundError(row.path)
     return target
+
+
+def mark_deleted(session: Session, job_id: str, paths: list[str]) -> int:
+    """Mark checkpoints whose files the trainer pruned (keep_last) as deleted."""
+    if not paths:
+        return 0
+    res = session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.path.in_(paths))
+        .values(deleted=True)
+        .execution_options(synchronize_session=False)
+    )
+    return int(res.rowcount or 0)  # type: ignore[attr-defined]

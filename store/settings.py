@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     advertise_addr: str | None = None
     """TORCHYARD_ADVERTISE_ADDR: address other hosts use to reach this host's rendezvous
     (default: the address the host name resolves to; set it on multi-host clusters)."""
+    trainer_threads: int | None = Field(default=None, ge=1, le=1024)
+    """TORCHYARD_TRAINER_THREADS: CPU threads per trainer (default: torch's). Several CPU
+    workers on one host should split its cores (`torchyard up` does), as oversubscribed
+    threads slow training many times over. Fixed per cluster, not derived from load, since
+    CPU results are bitwise reproducible (exact resume) only at one thread count."""
     queue_prefix: str = Field(default="torchyard", pattern=r"^[A-Za-z0-9_.-]+$")
     """TORCHYARD_QUEUE_PREFIX: prefix of every broker queue name (one prefix per cluster)."""
 

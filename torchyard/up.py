@@ -230,14 +230,19 @@ class Up:
             say(f"workers  {len(gpus)} GPU worker(s): {', '.join(map(str, gpus))}")
         else:
             n = 2 if self.args.workers is None else self.args.workers
+            # CPU trainers share this host's cores: oversubscribed threads train many times
+            # slower. A fixed count (not one derived from load) keeps CPU resume bitwise exact.
+            threads = os.environ.get("TORCHYARD_TRAINER_THREADS") or str(
+                max(1, (os.cpu_count() or 1) // max(1, n))
+            )
             for i in range(n):
-                self.children.append(
-                    Child(
-                        f"worker-cpu{i}",
-                        [*me, "worker", "--device", "cpu", "--name", f"{host_id}-cpu{i}"],
-                        logs / f"worker-cpu{i}.log",
-                    )
+                c = Child(
+                    f"worker-cpu{i}",
+                    [*me, "worker", "--device", "cpu", "--name", f"{host_id}-cpu{i}"],
+                    logs / f"worker-cpu{i}.log",
                 )
+                c.extra_env = {"TORCHYARD_TRAINER_THREADS": threads}
+                self.children.append(c)
             say(f"workers  {n} CPU worker slot(s)")
         self.env = dict(os.environ)
         # Children must agree with this process on every path, whatever their cwd.

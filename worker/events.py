@@ -16,7 +16,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from store.attempts import mark_attempt_running
-from store.checkpoints import record_checkpoint
+from store.checkpoints import mark_deleted, record_checkpoint
 from store.metrics import ingest_metrics
 from store.models import Job
 from store.paths import UnsafePath
@@ -187,6 +187,10 @@ class EventRecorder:
                 )
             except (UnsafePath, ValueError, TypeError) as e:
                 log.warning("checkpoint event refused: %s", e)
+            # keep_last deleted these files: stop listing them for download or resume.
+            pruned = c.get("pruned")
+            if isinstance(pruned, list):
+                mark_deleted(session, self.job_id, [p for p in pruned if isinstance(p, str)])
         if self.progress is not None:
             session.execute(
                 update(Job)

@@ -61,8 +61,12 @@ def trainer_argv(launch: Launch) -> list[str]:
     ]
 
 
-def trainer_env(*, data_root: Path, cuda_visible: str) -> dict[str, str]:
+def trainer_env(
+    *, data_root: Path, cuda_visible: str, threads: int | None = None
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["TORCHYARD_DATA_ROOT"] = str(data_root)
     env["TORCHYARD_DIE_WITH_PARENT"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = cuda_visible

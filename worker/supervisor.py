@@ -200,7 +200,9 @@ class Supervision:
             f"{self.c.world_size}, worker {self.ctx.worker_id}, {now}, {start} =====\n"
         )
         env = trainer_env(
-            data_root=self.ctx.settings.data, cuda_visible=self.ctx.device.cuda_visible
+            data_root=self.ctx.settings.data,
+            cuda_visible=self.ctx.device.cuda_visible,
+            threads=self.ctx.settings.trainer_threads,
         )
         self.tail = EventTail(
             self.run_dir / EVENTS_FILE, EventTail.size_of(self.run_dir / EVENTS_FILE)

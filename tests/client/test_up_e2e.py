@@ -194,14 +194,15 @@ def test_a_killed_worker_is_reported_and_replaced(up: Up, digits_job: str) -> No
     assert "exited with code -9" in up.log.read_text()
 
 
-# Enough steps to be caught in the middle, small enough for a 2-core machine.
+# Enough steps (~10 s of training) to be caught in the middle even with fast trainers, small
+# enough for a 2-core machine.
 LONG_SPEC = {
     "name": "restart-me",
-    "model": {"name": "mlp", "hidden": [512, 512]},
+    "model": {"name": "mlp", "hidden": [1024, 1024]},
     "data": {"name": "synthetic", "shape": [1, 28, 28], "num_classes": 10, "size": 16384},
     "optimizer": {"name": "sgd", "lr": 0.01},
     "batch_size": 64,
-    "epochs": 3,
+    "epochs": 8,
     "precision": "fp32",
     "log_every_steps": 10,
     "checkpoint": {"every_epochs": None, "every_steps": 50, "keep_last": 50},
