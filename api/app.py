@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
@@ -17,7 +19,7 @@ from api import errors
 from api.deps import TokenCache
 from api.middleware import BodyLimit, PrometheusMetrics
 from api.routers import checkpoints, health, job_data, jobs, workers
-from store.db import get_engine, session_factory
+from store.db import make_engine, session_factory
 from store.inventory import job_counts, worker_counts
 from store.settings import Settings, get_settings
 from trainer.spec import JobSpec
@@ -73,15 +75,27 @@ def _read_sessions(url: str) -> sessionmaker[Session]:
     """Sessions for single-statement reads. On PostgreSQL in autocommit: no BEGIN and no
     ROLLBACK round trips (one statement is one snapshot anyway). SQLite keeps the usual
     sessions (its engine opens every transaction itself)."""
-    engine = get_engine(url)
-    if engine.dialect.name != "postgresql":
+    if not url.startswith("postgresql"):
         return session_factory(url)
+    # No pre-ping: it is a round trip per request. A connection that died is found by the
+    # statement itself, which invalidates the pool; that request gets a 503, the next a fresh one.
+    engine = make_engine(url, pre_ping=False)
     return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # Few threads for the blocking store calls: on a small host dozens of threads fighting
+    # for the GIL triple the tail latency (measured by bench/api_bench.py) for no throughput.
+    settings: Settings = app.state.settings
+    anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+    yield
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(
+        lifespan=_lifespan,
         title="torchyard",
         version="1",
         description="Run PyTorch training jobs on a shared pool of GPUs. Every route but "

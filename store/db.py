@@ -24,7 +24,7 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, pre_ping: bool = True) -> Engine:
     if url.startswith("sqlite"):
         path = url.split(":///", 1)[1] if ":///" in url else ""
         if path and path != ":memory:":
@@ -39,7 +39,7 @@ def make_engine(url: str) -> Engine:
             dbapi_conn.isolation_level = None
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=pre_ping, pool_size=10, max_overflow=20)
 
 
 def get_engine(url: str) -> Engine:

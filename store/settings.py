@@ -6,6 +6,7 @@ embedded broker that needs no server, local storage and CPU workers.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,6 +36,9 @@ class Settings(BaseSettings):
     """TORCHYARD_MAX_WORLD_SIZE: largest world_size a job may ask for."""
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     """TORCHYARD_MAX_BODY_BYTES: larger request bodies get 413."""
+    api_threads: int = Field(default_factory=lambda: min(8, max(2, os.cpu_count() or 2)), ge=1)
+    """TORCHYARD_API_THREADS: threads the API runs blocking store calls on (default: the
+    cores, 2 to 8)."""
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     """TORCHYARD_HEARTBEAT_INTERVAL_S: how often a worker reports it is alive."""
     heartbeat_timeout_s: float = Field(default=20.0, gt=0)
