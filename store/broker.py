@@ -102,3 +102,23 @@ def broker_ok(settings: Settings, timeout: float = 2.0) -> bool:
         return True
     except Exception:
         return False
+
+
+def make_consumer(app: Celery, *, name: str, queue: str) -> Any:
+    """A Celery worker consuming one queue, one task at a time, in this process (solo pool:
+    no forked child) and without the broker chatter (heartbeats, mingle, gossip) that a
+    store-driven cluster does not use. `name` is the worker's Celery host name."""
+    import logging
+    import socket
+
+    return app.Worker(
+        hostname=f"{name}@{socket.gethostname()}",
+        queues=[queue],
+        pool_cls="solo",
+        concurrency=1,
+        without_heartbeat=True,
+        without_mingle=True,
+        without_gossip=True,
+        loglevel=logging.getLevelName(logging.getLogger().level),
+        quiet=True,
+    )

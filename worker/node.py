@@ -17,7 +17,7 @@ import threading
 import time
 from typing import IO, Any
 
-from store.broker import RUN_TASK, make_celery, wake_scheduler, worker_queue
+from store.broker import RUN_TASK, make_celery, make_consumer, wake_scheduler, worker_queue
 from store.db import session_scope
 from store.settings import Settings
 from store.workers import (
@@ -142,17 +142,7 @@ class WorkerNode:
         app.conf.worker_redirect_stdouts = False
         app.task(name=RUN_TASK, acks_late=True, ignore_result=True)(self._task)
         signals.worker_shutting_down.connect(self._on_shutdown, weak=False)
-        w = app.Worker(
-            hostname=f"{self.worker_id}@{socket.gethostname()}",
-            queues=[self.queue],
-            pool_cls="solo",
-            concurrency=1,
-            without_heartbeat=True,
-            without_mingle=True,
-            without_gossip=True,
-            loglevel=logging.getLevelName(logging.getLogger().level),
-            quiet=True,
-        )
+        w = make_consumer(app, name=self.worker_id, queue=self.queue)
         try:
             w.start()
         finally:

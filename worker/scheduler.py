@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from datetime import datetime, timedelta
 from typing import Any
 
 from store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
-from store.broker import RUN_TASK, SCHEDULE_TASK, control_queue, make_celery
+from store.broker import RUN_TASK, SCHEDULE_TASK, control_queue, make_celery, make_consumer
 from store.db import session_scope
 from store.models import utcnow
 from store.scheduling import RESERVE_AFTER_S, Dispatch, resend_due, schedule
@@ -128,16 +127,8 @@ class Scheduler:
         t = threading.Thread(target=self._tick_loop, name="scheduler-tick", daemon=True)
         t.start()
         self.app.task(name=SCHEDULE_TASK, acks_late=True, ignore_result=True)(self._wake)
-        w = self.app.Worker(
-            hostname=f"scheduler-{os.getpid()}@{socket.gethostname()}",
-            queues=[control_queue(self.settings)],
-            pool_cls="solo",
-            concurrency=1,
-            without_heartbeat=True,
-            without_mingle=True,
-            without_gossip=True,
-            loglevel=logging.getLevelName(logging.getLogger().level),
-            quiet=True,
+        w = make_consumer(
+            self.app, name=f"scheduler-{os.getpid()}", queue=control_queue(self.settings)
         )
         try:
             w.start()
