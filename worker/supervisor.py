@@ -356,7 +356,9 @@ class Supervision:
                 None,
                 False,
             )
-        if rc == exitcodes.OK:
+        # Rank 0's `finished` event comes after the final checkpoint and weights are written:
+        # the job is done even if torchrun's exit code says a rank stumbled while exiting.
+        if rc == exitcodes.OK or (o.finished and o.error is None):
             if self.c.rank == 0:
                 return A_SUCCEEDED, "finished", None, False
             return None
