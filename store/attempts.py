@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -239,9 +240,8 @@ def finish_attempt(
     return job.state
 
 
-def lose_worker_assignments(session: Session, worker_id: str, reason: str) -> list[str]:
-    """End, as lost, every active attempt that has a rank on `worker_id` (whose process is
-    gone). Returns the ids of the jobs affected."""
+def _open_assignments(session: Session, worker_id: str, *where: Any) -> list[tuple[int, str]]:
+    """(attempt id, job id) of the worker's assignments not yet ended, in active attempts."""
     rows = session.execute(
         select(Assignment.attempt_id, Assignment.job_id)
         .join(Attempt, Attempt.id == Assignment.attempt_id)
@@ -249,10 +249,17 @@ def lose_worker_assignments(session: Session, worker_id: str, reason: str) -> li
             Assignment.worker_id == worker_id,
             Assignment.ended_at.is_(None),
             Attempt.state.in_(ATTEMPT_ACTIVE),
+            *where,
         )
     ).all()
+    return [(a, j) for a, j in rows]
+
+
+def lose_worker_assignments(session: Session, worker_id: str, reason: str) -> list[str]:
+    """End, as lost, every active attempt that has a rank on `worker_id` (whose process is
+    gone). Returns the ids of the jobs affected."""
     jobs = []
-    for attempt_id, job_id in rows:
+    for attempt_id, job_id in _open_assignments(session, worker_id):
         session.execute(
             update(Assignment)
             .where(Assignment.attempt_id == attempt_id, Assignment.worker_id == worker_id)
@@ -266,18 +273,10 @@ def lose_worker_assignments(session: Session, worker_id: str, reason: str) -> li
 
 def hand_back_unclaimed(session: Session, worker_id: str, reason: str) -> list[str]:
     """A stopping worker gives back assignments it was sent but never started."""
-    rows = session.execute(
-        select(Assignment.attempt_id, Assignment.job_id)
-        .join(Attempt, Attempt.id == Assignment.attempt_id)
-        .where(
-            Assignment.worker_id == worker_id,
-            Assignment.claimed_at.is_(None),
-            Assignment.ended_at.is_(None),
-            Attempt.state.in_(ATTEMPT_ACTIVE),
-        )
-    ).all()
     jobs = []
-    for attempt_id, job_id in rows:
+    for attempt_id, job_id in _open_assignments(
+        session, worker_id, Assignment.claimed_at.is_(None)
+    ):
         if finish_attempt(session, attempt_id, A_HANDED_BACK, reason=reason) is not None:
             jobs.append(job_id)
     return jobs

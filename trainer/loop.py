@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer import exitcodes
 from trainer.checkpoint import (
     WEIGHTS_FILE,
+    Written,
     capture_rng,
     export_weights,
     load_checkpoint,
@@ -193,6 +194,19 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
 
     last_saved: dict[str, Any] = {"step": pos.step if resumed_from else -1, "path": resumed_from}
 
+    def announce(w: Written, kind: str, **extra: Any) -> None:
+        """Tell the worker about a complete, renamed file (never a partial one)."""
+        events.emit(
+            "checkpoint",
+            step=pos.step,
+            epoch=pos.event_epoch,
+            path=w.path,
+            bytes=w.bytes,
+            sha256=w.sha256,
+            kind=kind,
+            **extra,
+        )
+
     def save_resume() -> str | None:
         """Resume checkpoint at the current position (collective: gathers every rank's RNG)."""
         if last_saved["step"] == pos.step:
@@ -213,16 +227,7 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
             }
             w = save_checkpoint(r.run_dir, pos.step, payload)
             pruned = prune(r.run_dir, spec.checkpoint.keep_last, w.path)
-            events.emit(
-                "checkpoint",
-                step=pos.step,
-                epoch=pos.event_epoch,
-                path=w.path,
-                bytes=w.bytes,
-                sha256=w.sha256,
-                kind="resume",
-                pruned=pruned,
-            )
+            announce(w, "resume", pruned=pruned)
             path = w.path
         last_saved.update(step=pos.step, path=path)
         return path
@@ -439,15 +444,7 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
         }
         w = export_weights(r.run_dir, net.state_dict(), meta)
         assert w.path == WEIGHTS_FILE
-        events.emit(
-            "checkpoint",
-            step=pos.step,
-            epoch=pos.event_epoch,
-            path=w.path,
-            bytes=w.bytes,
-            sha256=w.sha256,
-            kind="weights",
-        )
+        announce(w, "weights")
         events.emit("finished", step=pos.step, epoch=pos.event_epoch, metrics=dict(metrics))
         r.log(
             f"finished at step {pos.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
