@@ -55,6 +55,22 @@ class Settings(BaseSettings):
     workers on one host should split its cores (`torchyard up` does), as oversubscribed
     threads slow training many times over. Fixed per cluster, not derived from load, since
     CPU results are bitwise reproducible (exact resume) only at one thread count."""
+    claim_timeout_s: float = Field(default=30.0, gt=0)
+    """TORCHYARD_CLAIM_TIMEOUT_S: an assignment no worker has claimed this long after it was
+    sent is handed back (not counted as a failure) and given to another worker; the silent
+    worker is marked lost until its consumer shows it is alive."""
+    db_pool_timeout_s: float = Field(default=2.0, gt=0)
+    """TORCHYARD_DB_POOL_TIMEOUT_S: how long a request waits for a database connection before
+    the API answers 503 with Retry-After (never a hang)."""
+    max_model_params: int = Field(default=2_000_000_000, ge=1)
+    """TORCHYARD_MAX_MODEL_PARAMS: a spec whose model would have more parameters is refused
+    (422 naming the field)."""
+    max_data_bytes: int = Field(default=16 * 1024**3, ge=1)
+    """TORCHYARD_MAX_DATA_BYTES: a spec whose data set would take more bytes on the device is
+    refused (422 naming the field)."""
+    metrics_page_points: int = Field(default=10_000, ge=100)
+    """TORCHYARD_METRICS_PAGE_POINTS: most points per series a metrics response returns when
+    `max_points` is not given; the rest is paged with `after_step`."""
     queue_prefix: str = Field(default="torchyard", pattern=r"^[A-Za-z0-9_.-]+$")
     """TORCHYARD_QUEUE_PREFIX: prefix of every broker queue name (one prefix per cluster)."""
 
@@ -80,10 +96,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _timeouts(self) -> Settings:
-        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+        if self.heartbeat_timeout_s <= 3 * self.heartbeat_interval_s:
             raise ValueError(
-                "TORCHYARD_HEARTBEAT_TIMEOUT_S must be more than twice "
-                "TORCHYARD_HEARTBEAT_INTERVAL_S, or live workers would be reaped"
+                "TORCHYARD_HEARTBEAT_TIMEOUT_S must be more than three times "
+                "TORCHYARD_HEARTBEAT_INTERVAL_S, or live workers would be reaped (and a "
+                "worker cut off from the store could not stop its trainer in time)"
             )
         return self
 

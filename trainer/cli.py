@@ -6,8 +6,9 @@ Under torchrun every rank runs this same command:
     torchrun --nnodes=2 --node_rank=R --nproc_per_node=1 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:PORT -m trainer --spec spec.json --run-dir runs/a
 
-The exit status is one of trainer/exitcodes.py. A bad spec or command line exits 2 with
-one line per problem on stderr and writes nothing.
+The exit status is one of trainer/exitcodes.py. A bad spec, command line or
+TORCHYARD_ATTEMPT (the worker's attempt number, stamped on every event: trainer/events.py)
+exits 2 with one line per problem on stderr and writes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 from types import FrameType
 
 from trainer import exitcodes
+from trainer.events import attempt_from_env
+from trainer.lease import LeaseError, watch_lease
 from trainer.signals import StopFlag
 from trainer.spec import JobSpec, SpecError, parse_spec, spec_to_dict
 
@@ -97,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         for field, msg in e.problems:
             print(f"  {field}: {msg}", file=sys.stderr)
         return exitcodes.BAD_SPEC
+    try:
+        attempt = attempt_from_env()  # refused before anything is written
+    except ValueError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return exitcodes.BAD_SPEC
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if spec.batch_size % world:
         print(
@@ -125,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = StopFlag()
     _install_stop_handlers(stop)
+    try:
+        watch_lease(stop)
+    except LeaseError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return exitcodes.BAD_SPEC
     d = distributed.setup()
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        events = JsonlEvents(run_dir / EVENTS_FILE)
+        events = JsonlEvents(run_dir / EVENTS_FILE, attempt=attempt)
         env = environment(d.device, d.rank, d.world_size)
         env.update(
+            attempt=attempt,
             run_dir=str(run_dir),
             resume=str(resume) if resume else None,
             data_root=str(data_root_from_env()),

@@ -2,7 +2,10 @@
 collectives the loop needs. Under torchrun the environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT) says it all; without it the process is rank 0 of 1.
 A worker pins its GPU with CUDA_VISIBLE_DEVICES, so `cuda:LOCAL_RANK` is counted
-among the visible devices only."""
+among the visible devices only.
+
+Every collective here moves tensors: the pickling `*_object*` collectives are never used
+(a test scans for them), structured values travel as trainer/wire.py bytes."""
 
 from __future__ import annotations
 
@@ -12,6 +15,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from trainer import wire
+
+# A sanity bound on what one rank may announce it sends (RNG states are ~10 KB).
+MAX_GATHER_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -66,13 +74,35 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
+def all_gather_bytes(d: Dist, payload: bytes) -> list[bytes]:
+    """Every rank's `payload`, in rank order, through tensor collectives only: the lengths
+    as int64, then the bytes as uint8 padded to the longest (all_gather needs equal sizes)."""
+    if not d.ddp:
+        return [payload]
+    # NCCL moves CUDA tensors only; gloo moves CPU ones: d.device is right for both.
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=d.device)
+    sizes = [torch.empty_like(size) for _ in range(d.world_size)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s) for s in torch.cat(sizes).tolist()]
+    longest = max(lengths)
+    if not 0 <= min(lengths) <= longest <= MAX_GATHER_BYTES:
+        raise RuntimeError(f"all_gather_bytes: bad lengths {lengths} from the ranks")
+    if longest == 0:
+        return [b""] * d.world_size
+    buf = torch.zeros(longest, dtype=torch.uint8, device=d.device)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    bufs = [torch.empty_like(buf) for _ in range(d.world_size)]
+    dist.all_gather(bufs, buf)
+    return [b[:n].cpu().numpy().tobytes() for b, n in zip(bufs, lengths, strict=True)]
+
+
 def gather_to_main(d: Dist, obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (rank 0 uses the result; others get it too)."""
+    """Every rank's `obj` (JSON types and tensors: trainer/wire.py), in rank order (rank 0
+    uses the result; others get it too). Never pickled: see trainer/wire.py."""
     if not d.ddp:
         return [obj]
-    out: list[Any] = [None] * d.world_size
-    dist.all_gather_object(out, obj)
-    return out
+    return [wire.decode(b) for b in all_gather_bytes(d, wire.encode(obj))]
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:

@@ -12,17 +12,30 @@ their fields are the contract with the worker (see DESIGN.md):
     finished    step, epoch, metrics
     stopped     signal, step, checkpoint
     error       kind ("nonfinite_loss" | "out_of_memory" | "data" | "internal"), message, step
+
+Every event also has `attempt` (the job's attempt number, from TORCHYARD_ATTEMPT, which the
+worker sets) so that a supervisor can tell its own trainer's lines from an earlier attempt's
+in the shared file. A trainer run by hand (variable unset) writes no `attempt` field at all,
+rather than null. `started`, `finished`, `stopped` and `error` also carry `pid`, the process
+id of rank 0 (the only rank that writes).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 EVENTS_FILE = "events.jsonl"
+ATTEMPT_ENV = "TORCHYARD_ATTEMPT"
+# The events that say which process ran, so the worker can match them to what it spawned.
+PID_EVENTS = frozenset({"started", "finished", "stopped", "error"})
+_MAX_ATTEMPT = 2**31 - 1  # the store's attempt column is a 32-bit integer
 
 
 class EventSink(Protocol):
@@ -42,15 +55,40 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def attempt_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The attempt number in TORCHYARD_ATTEMPT: None when unset; ValueError naming the
+    variable when it is anything but a positive integer in plain decimal."""
+    raw = (os.environ if environ is None else environ).get(ATTEMPT_ENV)
+    if raw is None:
+        return None
+    # fullmatch on [0-9]: no sign, spaces, newline or non-ASCII digits that int() would take.
+    if re.fullmatch(r"[1-9][0-9]{0,9}", raw) is None or int(raw) > _MAX_ATTEMPT:
+        raise ValueError(
+            f"{ATTEMPT_ENV}={raw!r}: must be the attempt number, an integer from 1 to "
+            f"{_MAX_ATTEMPT} (or unset when the trainer is run by hand)"
+        )
+    return int(raw)
+
+
+def make_event(type: str, fields: dict[str, Any], attempt: int | None) -> dict[str, Any]:
+    """One event as written: type, time, the fields, then attempt and pid where they apply."""
+    event = {"type": type, "time": time.time(), **fields}
+    if attempt is not None:
+        event["attempt"] = attempt
+    if type in PID_EVENTS:
+        event["pid"] = os.getpid()
+    return _clean(event)
+
+
 class JsonlEvents:
     """Appends one flushed line per event; attempts of a job append to the same file."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, attempt: int | None = None):
+        self.path, self.attempt = path, attempt
         self._f = path.open("a", encoding="utf-8")
 
     def emit(self, type: str, **fields: Any) -> None:
-        event = _clean({"type": type, "time": time.time(), **fields})
+        event = make_event(type, fields, self.attempt)
         self._f.write(json.dumps(event, allow_nan=False, separators=(",", ":")) + "\n")
         self._f.flush()
 
@@ -71,11 +109,12 @@ class NullEvents:
 class MemoryEvents:
     """Keeps events in a list (tests, embedding the trainer in a notebook)."""
 
-    def __init__(self) -> None:
+    def __init__(self, attempt: int | None = None) -> None:
+        self.attempt = attempt
         self.events: list[dict[str, Any]] = []
 
     def emit(self, type: str, **fields: Any) -> None:
-        self.events.append(_clean({"type": type, "time": time.time(), **fields}))
+        self.events.append(make_event(type, fields, self.attempt))
 
     def close(self) -> None:
         pass

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
 import traceback
@@ -275,7 +274,6 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
             train_samples=batches.n_train,
             val_samples=batches.n_val,
             parameters=sum(p.numel() for p in net.parameters()),
-            **_attempt(),
         )
         r.log(
             f"training {spec.display_name}: {total_steps - pos.step} steps left of {total_steps}, "
@@ -467,8 +465,3 @@ def _relative(path: Path, run_dir: Path) -> str:
         return str(path.resolve().relative_to(run_dir.resolve()))
     except ValueError:
         return str(path)
-
-
-def _attempt() -> dict[str, int]:
-    a = os.environ.get("TORCHYARD_ATTEMPT", "")
-    return {"attempt": int(a)} if a.isdigit() else {}

@@ -8,10 +8,14 @@ at once as a `SpecError` whose `problems` are `(field, message)` pairs, the
 field written as a dotted path (`optimizer.lr`, `model.hidden.0`).
 `missing_dataset_files(name, data_root)` lists the files a data set needs that are not on
 disk, so the API can refuse a submit (422) before anything is queued.
+`limit_problems(spec, max_params, max_data_bytes)` refuses a spec whose model or data set is
+too large for the server (estimated without torch: `model_parameters`, `data_bytes`).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -367,3 +371,110 @@ def missing_dataset_files(name: str, data_root: Path) -> list[Path]:
         for rel in DATASET_FILES.get(name, ())
         if dataset_file(name, data_root, rel) is None
     ]
+
+
+# ---------------------------------------------------------------------------- size limits
+
+# What each built-in data set gives the trainer (trainer/data.py): sample shape and
+# samples in train + validation/test together (the whole set is resident on every rank).
+DATASET_SHAPES: dict[str, tuple[int, ...]] = {
+    "digits": (1, 8, 8),
+    "mnist": (1, 28, 28),
+    "fashion_mnist": (1, 28, 28),
+    "cifar10": (3, 32, 32),
+}
+DATASET_SAMPLES = {"digits": 1797, "mnist": 70_000, "fashion_mnist": 70_000, "cifar10": 60_000}
+DATASET_CLASSES = {"digits": 10, "mnist": 10, "fashion_mnist": 10, "cifar10": 10}
+# Labels are int64 on the device beside the images.
+LABEL_BYTES = 8
+# ResNet-18 without its first conv and its fc (both depend on the data): every other
+# parameter, whatever the image size (torchvision's ResNet pools adaptively).
+_RESNET18_BODY = 11_167_104
+
+
+def data_shape(data: DataSpec) -> tuple[int, ...]:
+    """The sample shape the data set gives the model."""
+    return tuple(data.sample_shape) if data.name == "synthetic" else DATASET_SHAPES[data.name]
+
+
+def data_classes(data: DataSpec) -> int:
+    return data.classes if data.name == "synthetic" else DATASET_CLASSES[data.name]
+
+
+def _linear(n_in: int, n_out: int) -> int:
+    return n_in * n_out + n_out
+
+
+def model_parameters(spec: JobSpec) -> int:
+    """Parameters of the spec's model (trainer/models.py) for its data's shape and classes,
+    computed without building it."""
+    shape, k = data_shape(spec.data), data_classes(spec.data)
+    if spec.model.name == "mlp":
+        widths = [math.prod(shape), *spec.model.hidden_sizes, k]
+        return sum(_linear(a, b) for a, b in itertools.pairwise(widths))
+    c, h, w = shape  # conv models need [C, H, W]: the spec's own check guarantees it
+    if spec.model.name == "lenet":
+        # Two 5x5 convs (padding 2 below 16 pixels a side), each followed by a 2x2 max-pool.
+        pad = 0 if min(h, w) >= 16 else 2
+        for _ in range(2):
+            h, w = (h + 2 * pad - 4) // 2, (w + 2 * pad - 4) // 2
+        convs = (c * 25 + 1) * 6 + (6 * 25 + 1) * 16
+        return convs + _linear(16 * h * w, 120) + _linear(120, 84) + _linear(84, k)
+    # resnet18: 3x3 first conv without bias, fc 512 -> classes.
+    return _RESNET18_BODY + c * 64 * 9 + _linear(512, k)
+
+
+def data_bytes(data: DataSpec) -> int:
+    """Bytes the data set takes on the device on the trainer's fast path: every sample (train
+    and validation) as uint8 values plus an int64 label. The trainer makes a float32 copy (4x
+    the images) only when that fits in a quarter of free device memory, so the uint8 size is
+    what a job needs."""
+    samples = data.samples if data.name == "synthetic" else DATASET_SAMPLES[data.name]
+    return samples * (math.prod(data_shape(data)) + LABEL_BYTES)
+
+
+def _si(n: float, units: tuple[str, ...], base: int) -> str:
+    # Three significant digits and a unit: 64.5 G, 2 G, 16 GiB.
+    for unit in units[:-1]:
+        if abs(n) < 999.5:
+            return f"{n:.3g} {unit}".rstrip()
+        n /= base
+    return f"{n:.3g} {units[-1]}"
+
+
+def _count(n: float) -> str:
+    return _si(n, ("", "K", "M", "G", "T", "P"), 1000)
+
+
+def _bytes(n: float) -> str:
+    return _si(n, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"), 1024)
+
+
+def limit_problems(spec: JobSpec, max_params: int, max_data_bytes: int) -> list[tuple[str, str]]:
+    """What the spec asks beyond the server's size limits, as (field, message) pairs like
+    SpecError's: per-field caps cannot bound products (16 hidden layers of 65536 are each
+    allowed; together they are 64 G parameters)."""
+    problems = []
+    params = model_parameters(spec)
+    if params > max_params:
+        # Point at what the user chose: an mlp's widths when given, else the model itself.
+        field = "model.hidden" if spec.model.name == "mlp" and spec.model.hidden else "model"
+        problems.append(
+            (
+                field,
+                f"this model has ~{_count(params)} parameters (~{_bytes(4 * params)} as fp32) "
+                f"for data of shape {list(data_shape(spec.data))}; the server allows at most "
+                f"{_count(max_params)} (TORCHYARD_MAX_MODEL_PARAMS)",
+            )
+        )
+    nbytes = data_bytes(spec.data)
+    if nbytes > max_data_bytes:
+        problems.append(
+            (
+                "data",
+                f"this data set takes ~{_bytes(nbytes)} on the device (uint8 samples and int64 "
+                f"labels); the server allows at most {_bytes(max_data_bytes)} "
+                "(TORCHYARD_MAX_DATA_BYTES)",
+            )
+        )
+    return problems

@@ -39,7 +39,8 @@ SUBMIT_BODY = {
 
 
 def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> list[tuple[str, str]]:
-    """What only the server knows: the data set is on disk, the world size is allowed."""
+    """What only the server knows: the data set is on disk, the world size is allowed, the
+    model and the data set are within the size limits."""
     problems = []
     missing = [str(p) for p in job_spec.missing_dataset_files(spec.data.name, settings.data)]
     if missing:
@@ -57,6 +58,9 @@ def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> list[tuple[str
                 f"must be <= {settings.max_world_size} (TORCHYARD_MAX_WORLD_SIZE)",
             )
         )
+    # Each field has its cap but their product does not: refuse a model or data set too
+    # large for the server before it is stored (nothing to clean up, no OOM on a worker).
+    problems += job_spec.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
     return problems
 
 
@@ -80,7 +84,8 @@ def _store_job(
     summary="Submit a job",
     description=(
         "Validates the spec (every problem at once, 422), checks the data set is on the "
-        "server and the world size is allowed, stores a queued job and wakes the scheduler. "
+        "server, the world size is allowed and the model and data set are within the "
+        "server's size limits, stores a queued job and wakes the scheduler. "
         "With `Idempotency-Key`: a retry with the same spec returns the original job with "
         "200; the same key with a different spec is 409."
     ),

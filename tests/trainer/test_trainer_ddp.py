@@ -3,6 +3,7 @@ weights as one process, and SIGTERM still ends with a checkpoint and a `stopped`
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -37,7 +38,8 @@ def test_two_processes_equal_one(tmp_path: Path) -> None:
     # No batch norm; 1438 training samples split evenly over 2 ranks.
     spec = write_spec(tmp_path / "spec.json", make_spec(world_size=2, epochs=2, batch_size=64))
     one, two = tmp_path / "one", tmp_path / "two"
-    p = subprocess.run(torchrun_cmd(spec, two), env=trainer_env(OMP_NUM_THREADS="1"), cwd=REPO,
+    p = subprocess.run(torchrun_cmd(spec, two), cwd=REPO,
+                       env=trainer_env(OMP_NUM_THREADS="1", TORCHYARD_ATTEMPT="2"),
                        capture_output=True, text=True, timeout=180)  # fmt: skip
     assert p.returncode == 0, "\n".join(
         line for line in p.stderr.splitlines() if not line.startswith(("step ", "eval "))
@@ -52,9 +54,14 @@ def test_two_processes_equal_one(tmp_path: Path) -> None:
     # rank 0 alone wrote: one `started`, saying two ranks
     started = [e for e in ev2 if e["type"] == "started"]
     assert len(started) == 1 and started[0]["world_size"] == 2 and ev1[0]["world_size"] == 1
+    # every line says the attempt; the lifecycle ones rank 0's pid, as rank 0 logged it
+    assert all(e["attempt"] == 2 for e in ev2)
+    env = json.loads(next(s for s in p.stdout.splitlines() if s.startswith("environment: "))
+                     .removeprefix("environment: "))  # fmt: skip
+    assert env["rank"] == 0 and started[0]["pid"] == env["pid"]
     f1 = next(e for e in ev1 if e["type"] == "finished")
     f2 = next(e for e in ev2 if e["type"] == "finished")
-    assert f1["step"] == f2["step"] == 46
+    assert f1["step"] == f2["step"] == 46 and f2["pid"] == env["pid"]
     assert f1["metrics"]["val/accuracy"] == pytest.approx(f2["metrics"]["val/accuracy"], abs=0.01)
     assert f1["metrics"]["val/loss"] == pytest.approx(f2["metrics"]["val/loss"], rel=1e-3)
 

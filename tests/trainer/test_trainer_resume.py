@@ -102,6 +102,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_75(tmp_path: Path, spec_path: Path
     events = read_events(tmp_path)
     stopped = events[-1]
     assert stopped["type"] == "stopped" and stopped["signal"] == "SIGTERM"
+    assert stopped["pid"] == proc.pid and isinstance(stopped["time"], float)
     announced = events[-2]
     assert announced["type"] == "checkpoint" and announced["path"] == stopped["checkpoint"]
     ckpt = torch.load(tmp_path / stopped["checkpoint"], weights_only=True)

@@ -4,6 +4,7 @@ events contract, and how failures end (error event + exit code)."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,7 @@ def test_nonfinite_loss_is_an_error_with_its_step(tmp_path: Path) -> None:
     assert code == exitcodes.NONFINITE_LOSS
     err = ev.events[-1]
     assert err["type"] == "error" and err["kind"] == "nonfinite_loss"
+    assert err["pid"] == os.getpid()  # the sink stamps the process on lifecycle events
     # the reported step is the first bad one: losses logged before it were all finite
     assert err["step"] >= 1 and f"step {err['step']}" in err["message"]
     assert all(e["step"] < err["step"] for e in ev.of_type("metric"))
