@@ -1,10 +1,9 @@
 """Attempts and their assignments: creation (scheduler), the lease a worker takes on its
-assignment, the rendezvous endpoint, and the one function that ends an attempt and moves
-its job on (succeeded, failed, cancelled, or back to queued for a retry).
+assignment, the rendezvous endpoint, the ingest offset, and the bulk endings (a worker lost
+or stopping). How an ending moves the job on is `store.lifecycle.finish_attempt`.
 
-An attempt ends exactly once: `finish_attempt` is a conditional update on the attempt's
-state, so when several parties race to end it (each rank's worker, the reaper) the first
-decides and the others get None.
+Writes a worker makes for its attempt (`mark_launched`, `set_endpoint`) are fenced:
+refused with `Fenced` once the attempt has ended.
 """
 
 from __future__ import annotations
@@ -16,27 +15,34 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from store.lifecycle import counted_failures, fence, finish_attempt
 from store.models import Assignment, Attempt, Checkpoint, Job, Worker, utcnow
 from store.paths import UnsafePath, resolve_inside
 from store.states import (
-    CANCELLED,
-    CANCELLING,
-    FAILED,
-    QUEUED,
-    RUNNING,
-    STARTING,
-    SUCCEEDED,
-    IllegalTransition,
-    transition,
+    A_CANCELLED,
+    A_FAILED,
+    A_HANDED_BACK,
+    A_LOST,
+    A_RUNNING,
+    A_STARTING,
+    A_SUCCEEDED,
+    ATTEMPT_ACTIVE,
+    ATTEMPT_COUNTED,
 )
 
-# Attempt states.
-A_STARTING, A_RUNNING = "starting", "running"
-A_SUCCEEDED, A_FAILED, A_LOST = "succeeded", "failed", "lost"
-A_HANDED_BACK, A_CANCELLED = "handed_back", "cancelled"
-ATTEMPT_ACTIVE = (A_STARTING, A_RUNNING)
-# Attempts that count against a job's max_restarts (a hand-back by a stopping worker does not).
-ATTEMPT_COUNTED = (A_FAILED, A_LOST)
+__all__ = [  # the attempt vocabulary callers import from here
+    "ATTEMPT_ACTIVE",
+    "ATTEMPT_COUNTED",
+    "A_CANCELLED",
+    "A_FAILED",
+    "A_HANDED_BACK",
+    "A_LOST",
+    "A_RUNNING",
+    "A_STARTING",
+    "A_SUCCEEDED",
+    "counted_failures",
+    "finish_attempt",
+]
 
 
 def create_attempt(session: Session, job: Job, workers: list[Worker]) -> Attempt:
@@ -86,6 +92,7 @@ def mark_launched(
     a = session.get(Assignment, assignment_id)
     if a is None:
         return
+    fence(session, a.attempt_id)
     a.pid = pid
     now = utcnow()
     values: dict[str, object] = {"started_at": func.coalesce(Attempt.started_at, now)}
@@ -100,6 +107,7 @@ def mark_launched(
 
 
 def set_endpoint(session: Session, attempt_id: int, endpoint: str) -> None:
+    fence(session, attempt_id)
     session.execute(
         update(Attempt)
         .where(Attempt.id == attempt_id)
@@ -120,11 +128,26 @@ def attempt_state(session: Session, attempt_id: int) -> str | None:
     return session.scalar(select(Attempt.state).where(Attempt.id == attempt_id))
 
 
-def mark_attempt_running(session: Session, attempt_id: int) -> None:
+def ingest_start(session: Session, job_id: str) -> int:
+    """Where in the job's events.jsonl the store's record ends: the furthest any attempt's
+    supervisor committed. Events past it (a trainer's last lines before its worker lost
+    the store, or died) are ingested by whoever supervises the job next."""
+    return int(
+        session.scalar(
+            select(func.coalesce(func.max(Attempt.events_offset), 0)).where(
+                Attempt.job_id == job_id
+            )
+        )
+        or 0
+    )
+
+
+def set_events_offset(session: Session, attempt_id: int, offset: int) -> None:
+    """Record, in the transaction that wrote the events' rows, how far they reach."""
     session.execute(
         update(Attempt)
-        .where(Attempt.id == attempt_id, Attempt.state == A_STARTING)
-        .values(state=A_RUNNING)
+        .where(Attempt.id == attempt_id, Attempt.events_offset < offset)
+        .values(events_offset=offset)
         .execution_options(synchronize_session=False)
     )
 
@@ -136,108 +159,6 @@ def end_assignment(session: Session, assignment_id: int, exit_code: int | None) 
         .values(ended_at=utcnow(), exit_code=exit_code)
         .execution_options(synchronize_session=False)
     )
-
-
-def counted_failures(session: Session, job_id: str) -> int:
-    """Failed or lost attempts of a job: what max_restarts is compared with."""
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(Attempt)
-            .where(Attempt.job_id == job_id, Attempt.state.in_(ATTEMPT_COUNTED))
-        )
-        or 0
-    )
-
-
-def finish_attempt(
-    session: Session,
-    attempt_id: int,
-    outcome: str,
-    *,
-    exit_code: int | None = None,
-    reason: str | None = None,
-    error: str | None = None,
-    retryable: bool = True,
-) -> str | None:
-    """End an active attempt with `outcome` (an attempt state) and move its job on.
-
-    - succeeded -> job succeeded; cancelled, or any end while the job is cancelling ->
-      job cancelled (succeeded still wins if the trainer finished first);
-    - handed_back (a stopping worker) -> job queued with attempt + 1, not counted;
-    - failed with retryable=False (a deterministic error) -> job failed with `error`;
-    - lost, or failed with retryable=True -> job queued with attempt + 1 while the failed
-      and lost attempts number at most max_restarts, else failed.
-    Returns the job's state afterwards, or None if the attempt had already ended.
-    """
-    now = utcnow()
-    res = session.execute(
-        update(Attempt)
-        .where(Attempt.id == attempt_id, Attempt.state.in_(ATTEMPT_ACTIVE))
-        .values(state=outcome, exit_code=exit_code, reason=reason, ended_at=now)
-        .execution_options(synchronize_session=False)
-    )
-    if res.rowcount != 1:  # type: ignore[attr-defined]
-        return None
-    attempt = session.get(Attempt, attempt_id, populate_existing=True)
-    assert attempt is not None
-    # A message for a rank that never started must not start it now.
-    session.execute(
-        update(Assignment)
-        .where(Assignment.attempt_id == attempt_id, Assignment.claimed_at.is_(None))
-        .values(ended_at=now)
-        .execution_options(synchronize_session=False)
-    )
-    job = session.get(Job, attempt.job_id, populate_existing=True)
-    if job is None:
-        return None
-    if job.attempt != attempt.number or job.state not in (STARTING, RUNNING, CANCELLING):
-        return job.state
-    why = reason or outcome
-    try:
-        if job.state == CANCELLING:
-            to = SUCCEEDED if outcome == A_SUCCEEDED else CANCELLED
-            transition(session, job, to, reason=why)
-        elif outcome == A_SUCCEEDED:
-            transition(session, job, SUCCEEDED, reason=why)
-        elif outcome == A_CANCELLED:
-            # Only reachable for a job that is not cancelling: nothing asked for it.
-            transition(session, job, FAILED, reason=why, error=error or why)
-        elif outcome == A_HANDED_BACK:
-            transition(
-                session,
-                job,
-                QUEUED,
-                reason=why,
-                attempt=job.attempt + 1,
-                pending_reason=f"handed back: {why}",
-            )
-        elif outcome == A_FAILED and not retryable:
-            transition(session, job, FAILED, reason=why, error=error or why)
-        else:
-            n = counted_failures(session, job.id)
-            if n <= job.max_restarts:
-                transition(
-                    session,
-                    job,
-                    QUEUED,
-                    reason=why,
-                    attempt=job.attempt + 1,
-                    pending_reason=f"retrying after: {why}",
-                )
-            else:
-                msg = error or why
-                transition(
-                    session,
-                    job,
-                    FAILED,
-                    reason=why,
-                    error=f"{msg} (gave up after {n} failed attempts, max_restarts={job.max_restarts})",
-                )
-    except IllegalTransition:
-        # The API moved the job meanwhile (e.g. cancelled); its state stands.
-        pass
-    return job.state
 
 
 def _open_assignments(session: Session, worker_id: str, *where: Any) -> list[tuple[int, str]]:
@@ -306,6 +227,17 @@ def latest_resume_checkpoint(
     return None
 
 
+def unclaimed_since(older_than: datetime) -> tuple[Any, ...]:
+    """Where-clauses: ranks of live attempts that no worker claimed since `older_than`
+    (the query must join Attempt)."""
+    return (
+        Assignment.claimed_at.is_(None),
+        Assignment.ended_at.is_(None),
+        Assignment.created_at < older_than,
+        Attempt.state.in_(ATTEMPT_ACTIVE),
+    )
+
+
 def unclaimed_assignments(session: Session, older_than: datetime) -> list[tuple[int, str, str]]:
     """(assignment id, worker id, worker queue) for live attempts' ranks that no worker has
     claimed since `older_than`: their message may have been lost."""
@@ -314,10 +246,7 @@ def unclaimed_assignments(session: Session, older_than: datetime) -> list[tuple[
         .join(Attempt, Attempt.id == Assignment.attempt_id)
         .join(Worker, Worker.id == Assignment.worker_id)
         .where(
-            Assignment.claimed_at.is_(None),
-            Assignment.ended_at.is_(None),
-            Assignment.created_at < older_than,
-            Attempt.state.in_(ATTEMPT_ACTIVE),
+            *unclaimed_since(older_than),
         )
     ).all()
     return [(a, w, q) for a, w, q in rows]
@@ -331,10 +260,7 @@ def abandon_assignments_of_gone_workers(session: Session, older_than: datetime) 
         .join(Attempt, Attempt.id == Assignment.attempt_id)
         .join(Worker, Worker.id == Assignment.worker_id)
         .where(
-            Assignment.claimed_at.is_(None),
-            Assignment.ended_at.is_(None),
-            Assignment.created_at < older_than,
-            Attempt.state.in_(ATTEMPT_ACTIVE),
+            *unclaimed_since(older_than),
             Worker.state.in_(("stopped", "lost")),
         )
     ).all()

@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 
 SCHEDULE_TASK = "torchyard.schedule"
 RUN_TASK = "torchyard.run_assignment"
+# A worker sends this to its own queue to come back after being marked lost: running it
+# proves its consumer works (a hung consumer never registers again).
+REGISTER_TASK = "torchyard.register_self"
 # Longer than any job: a late-acked message is not redelivered while its job still runs.
 VISIBILITY_TIMEOUT_S = 30 * 24 * 3600
 

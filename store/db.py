@@ -39,7 +39,26 @@ def make_engine(url: str, *, pre_ping: bool = True) -> Engine:
             dbapi_conn.isolation_level = None
 
         return engine
-    return create_engine(url, pool_pre_ping=pre_ping, pool_size=10, max_overflow=20)
+    return create_engine(
+        url,
+        pool_pre_ping=pre_ping,
+        pool_size=10,
+        max_overflow=20,
+        connect_args=PG_CONNECT_ARGS,
+    )
+
+
+# A link that dies without a reset (a partition) must fail a call in seconds, not after
+# the kernel's ~15 minutes of retransmissions: the worker's watchdog and the scheduler's
+# reaper both need calls that return.
+PG_CONNECT_ARGS = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 2,
+    "tcp_user_timeout": 10_000,  # ms of unacknowledged data before the socket gives up
+}
 
 
 def get_engine(url: str) -> Engine:

@@ -134,6 +134,9 @@ class Attempt(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     resumed_from: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    # Bytes of the job's events.jsonl ingested into the store by this attempt's supervisor,
+    # committed with the rows they produced: whoever supervises next continues from here.
+    events_offset: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -27,6 +27,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from store.attempts import assignments_of, create_attempt
+from store.dialect import db_now, is_postgres
 from store.models import Job, Worker, utcnow
 from store.states import QUEUED, STARTING, IllegalTransition, transition
 from store.workers import BUSY, IDLE, LIVE, stale_cutoff
@@ -115,9 +116,9 @@ def schedule(
 ) -> list[Dispatch]:
     """Run one pass in the caller's transaction; the caller commits, then sends the
     returned dispatches (never before: a worker must find its assignment in the store)."""
-    now = now or utcnow()
-    cutoff = stale_cutoff(heartbeat_timeout_s, now)
-    pg = session.get_bind().dialect.name == "postgresql"
+    now = now or db_now(session)
+    cutoff = stale_cutoff(session, heartbeat_timeout_s, now)
+    pg = is_postgres(session)
 
     wq = (
         select(Worker)

@@ -28,6 +28,15 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
+# Attempt states (one try at running a job).
+A_STARTING, A_RUNNING = "starting", "running"
+A_SUCCEEDED, A_FAILED, A_LOST = "succeeded", "failed", "lost"
+A_HANDED_BACK, A_CANCELLED = "handed_back", "cancelled"
+ATTEMPT_ACTIVE = (A_STARTING, A_RUNNING)
+# Attempts that count against a job's max_restarts (a hand-back by a stopping worker does not).
+ATTEMPT_COUNTED = (A_FAILED, A_LOST)
+
+
 class IllegalTransition(Exception):
     """A state change the table forbids, or one that lost a race (the API answers 409)."""
 

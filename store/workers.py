@@ -15,10 +15,14 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from store.attempts import (
+    A_HANDED_BACK,
     ATTEMPT_ACTIVE,
+    finish_attempt,
     hand_back_unclaimed,
     lose_worker_assignments,
+    unclaimed_since,
 )
+from store.dialect import db_now, db_now_value, is_postgres
 from store.models import Assignment, Attempt, Worker, utcnow
 
 IDLE, BUSY, LOST, STOPPED = "idle", "busy", "lost", "stopped"
@@ -37,10 +41,6 @@ class WorkerInfo:
     memory_bytes: int | None = None
 
 
-def _is_pg(session: Session) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
-
-
 def register_worker(session: Session, info: WorkerInfo) -> list[str]:
     """Insert or refresh the worker's row as idle. A row still holding work from an earlier
     process of the same slot means that process died (its trainer died with it): those
@@ -55,7 +55,8 @@ def register_worker(session: Session, info: WorkerInfo) -> list[str]:
     row.device, row.gpu = info.device, info.gpu
     row.device_name, row.memory_bytes = info.device_name, info.memory_bytes
     row.state, row.current_job_id, row.current_assignment_id = IDLE, None, None
-    row.last_heartbeat, row.registered_at = now, now
+    # Liveness is judged on the database's clock, never a worker host's (clock skew).
+    row.last_heartbeat, row.registered_at = db_now_value(session), now
     session.flush()
     return lost_jobs
 
@@ -66,7 +67,7 @@ def heartbeat(session: Session, worker_id: str) -> str | None:
     res = session.execute(
         update(Worker)
         .where(Worker.id == worker_id, Worker.state.in_(LIVE))
-        .values(last_heartbeat=utcnow())
+        .values(last_heartbeat=db_now_value(session))
         .execution_options(synchronize_session=False)
     )
     if res.rowcount == 1:  # type: ignore[attr-defined]
@@ -85,7 +86,10 @@ def release_worker(session: Session, worker_id: str, assignment_id: int) -> bool
             Worker.state.in_((BUSY, LOST)),
         )
         .values(
-            state=IDLE, current_job_id=None, current_assignment_id=None, last_heartbeat=utcnow()
+            state=IDLE,
+            current_job_id=None,
+            current_assignment_id=None,
+            last_heartbeat=db_now_value(session),
         )
         .execution_options(synchronize_session=False)
     )
@@ -120,8 +124,9 @@ def deregister(session: Session, worker_id: str) -> list[str]:
     return jobs
 
 
-def stale_cutoff(timeout_s: float, now: datetime | None = None) -> datetime:
-    return (now or utcnow()) - timedelta(seconds=timeout_s)
+def stale_cutoff(session: Session, timeout_s: float, now: datetime | None = None) -> datetime:
+    """Heartbeats older than this are stale, on the database's clock unless `now` is given."""
+    return (now or db_now(session)) - timedelta(seconds=timeout_s)
 
 
 def reap_stale_workers(
@@ -130,9 +135,9 @@ def reap_stale_workers(
     """Workers silent for longer than `timeout_s` become lost; their active attempts are
     lost too (jobs re-queued with attempt + 1, or failed once out of restarts).
     Returns (worker id, affected job ids) per reaped worker."""
-    cutoff = stale_cutoff(timeout_s, now)
+    cutoff = stale_cutoff(session, timeout_s, now)
     q = select(Worker.id).where(Worker.state.in_(LIVE), Worker.last_heartbeat < cutoff)
-    if _is_pg(session):
+    if is_postgres(session):
         q = q.with_for_update(skip_locked=True)
     reaped = []
     for (wid,) in session.execute(q).all():
@@ -187,3 +192,29 @@ def release_orphaned_workers(session: Session, grace_s: float = 10.0) -> list[st
         if res.rowcount == 1:  # type: ignore[attr-defined]
             freed.append(wid)
     return freed
+
+
+def expire_unclaimed(session: Session, timeout_s: float) -> list[tuple[str, str]]:
+    """The claim deadline. A rank that no worker claimed within `timeout_s` (its worker's
+    consumer hangs while its heartbeat thread lives, or the message and every re-send were
+    lost) ends its attempt as handed back (not counted), so the job goes to other workers;
+    the silent worker is marked lost and gets no new work until its consumer shows it is
+    alive by registering again from inside a task. Returns (job id, worker id) pairs."""
+    rows = session.execute(
+        select(Assignment.attempt_id, Assignment.job_id, Assignment.worker_id)
+        .join(Attempt, Attempt.id == Assignment.attempt_id)
+        .where(*unclaimed_since(utcnow() - timedelta(seconds=timeout_s)))
+    ).all()
+    out = []
+    for attempt_id, job_id, wid in rows:
+        why = f"worker {wid} did not claim its rank within {timeout_s:g}s"
+        if finish_attempt(session, attempt_id, A_HANDED_BACK, reason=why) is None:
+            continue
+        session.execute(
+            update(Worker)
+            .where(Worker.id == wid, Worker.state.in_(LIVE))
+            .values(state=LOST, current_job_id=None, current_assignment_id=None)
+            .execution_options(synchronize_session=False)
+        )
+        out.append((job_id, wid))
+    return out

@@ -1,10 +1,16 @@
 """Reading the trainer's events.jsonl as it grows, and writing what it says to the store
 in batches (one transaction per batch, idempotent: metrics on (job, name, step),
-checkpoints on (job, path))."""
+checkpoints on (job, path)).
+
+Each batch commits, with its rows, the byte offset it reaches (the attempt's
+`events_offset`), and is fenced by the attempt: a supervisor whose attempt was ended
+elsewhere cannot write. Whoever supervises the job next ingests from the furthest
+committed offset, so a store outage of any length loses nothing. Events of another
+attempt than the recorder's (a previous trainer's last lines) are recorded (metrics,
+checkpoints) but never change the job's state."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -15,12 +21,12 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from store.attempts import mark_attempt_running
+from store.attempts import set_events_offset
 from store.checkpoints import mark_deleted, record_checkpoint
+from store.lifecycle import fence, mark_started
 from store.metrics import ingest_metrics
 from store.models import Job
 from store.paths import UnsafePath
-from store.states import RUNNING, STARTING, IllegalTransition, transition
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,11 @@ class EventTail:
         self.path, self.offset = path, offset
         self._f: Any = None
         self._partial = b""
+
+    @property
+    def consumed(self) -> int:
+        """Offset just past the last complete line returned (a partial line not counted)."""
+        return self.offset - len(self._partial)
 
     @staticmethod
     def size_of(path: Path) -> int:
@@ -105,21 +116,32 @@ class Outcome:
 
 @dataclass
 class EventRecorder:
-    """Buffers events of one attempt and writes them in one transaction per flush."""
+    """Buffers events of one attempt and writes them in one fenced transaction per flush.
+
+    `attempt_number` None records events for the record only (a backlog of earlier
+    attempts): nothing in it moves the job or counts as this attempt's outcome."""
 
     job_id: str
     attempt_id: int
-    attempt_number: int
+    attempt_number: int | None
     outcome: Outcome = field(default_factory=Outcome)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     progress: dict[str, Any] | None = None
     started_pending: bool = False
+    offset: int | None = None  # where the buffered events end in the file
 
-    def add(self, ev: dict[str, Any]) -> None:
+    def _own(self, ev: dict[str, Any]) -> bool:
+        if self.attempt_number is None:
+            return False
+        n = ev.get("attempt")
+        # A trainer started by hand (no TORCHYARD_ATTEMPT) writes no attempt number.
+        return n is None or n == self.attempt_number
+
+    def add(self, ev: dict[str, Any], offset: int | None = None) -> None:
+        if offset is not None:
+            self.offset = offset
         t = ev.get("type")
-        if isinstance(ev.get("step"), int):
-            self.outcome.last_step = ev["step"]
         if t == "metric":
             value, when = _num(ev.get("value")), _num(ev.get("time"))
             if (
@@ -136,10 +158,17 @@ class EventRecorder:
                         "time": when if when is not None else 0.0,
                     }
                 )
-        elif t == "checkpoint":
-            if ev.get("kind", "resume") in CHECKPOINT_KINDS and isinstance(ev.get("path"), str):
-                self.checkpoints.append(ev)
-        elif t == "progress":
+        elif (
+            t == "checkpoint"
+            and ev.get("kind", "resume") in CHECKPOINT_KINDS
+            and isinstance(ev.get("path"), str)
+        ):
+            self.checkpoints.append(ev)
+        if not self._own(ev):
+            return
+        if isinstance(ev.get("step"), int):
+            self.outcome.last_step = ev["step"]
+        if t == "progress":
             self.progress = {k: ev.get(k) for k in PROGRESS_KEYS}
         elif t == "started":
             self.outcome.started = True
@@ -151,6 +180,13 @@ class EventRecorder:
         elif t == "stopped":
             self.outcome.stopped = ev
 
+    def add_all(self, tail: EventTail, final: bool = False) -> int:
+        events = tail.read(final=final)
+        for ev in events:
+            self.add(ev)
+        self.offset = tail.offset if final else tail.consumed
+        return len(events)
+
     @property
     def pending(self) -> int:
         return (
@@ -161,23 +197,20 @@ class EventRecorder:
         )
 
     def write(self, session: Session) -> None:
-        """Write the buffer in the caller's transaction; `clear()` after it commits."""
+        """Write the buffer in the caller's transaction, fenced by the attempt (raises
+        store.lifecycle.Fenced when it has ended); `clear()` after it commits."""
+        fence(session, self.attempt_id)
         if self.started_pending:
-            mark_attempt_running(session, self.attempt_id)
-            job = session.get(Job, self.job_id, populate_existing=True)
-            if job is not None and job.state == STARTING and job.attempt == self.attempt_number:
-                with contextlib.suppress(IllegalTransition):  # cancelled meanwhile
-                    transition(
-                        session, job, RUNNING, reason=f"attempt {self.attempt_number} started"
-                    )
+            mark_started(session, self.attempt_id)
         if self.metrics:
             ingest_metrics(session, self.job_id, self.metrics)
         for c in self.checkpoints:
+            attempt = c.get("attempt")
             try:
                 record_checkpoint(
                     session,
                     self.job_id,
-                    attempt=self.attempt_number,
+                    attempt=attempt if isinstance(attempt, int) else (self.attempt_number or 0),
                     step=int(c.get("step") or 0),
                     epoch=_num(c.get("epoch")),
                     path=c["path"],
@@ -191,13 +224,15 @@ class EventRecorder:
             pruned = c.get("pruned")
             if isinstance(pruned, list):
                 mark_deleted(session, self.job_id, [p for p in pruned if isinstance(p, str)])
-        if self.progress is not None:
+        if self.progress is not None and self.attempt_number is not None:
             session.execute(
                 update(Job)
                 .where(Job.id == self.job_id, Job.attempt == self.attempt_number)
                 .values(progress=self.progress)
                 .execution_options(synchronize_session=False)
             )
+        if self.offset is not None:
+            set_events_offset(session, self.attempt_id, self.offset)
 
     def clear(self) -> None:
         self.metrics, self.checkpoints = [], []

@@ -17,7 +17,14 @@ import threading
 import time
 from typing import IO, Any
 
-from store.broker import RUN_TASK, make_celery, make_consumer, wake_scheduler, worker_queue
+from store.broker import (
+    REGISTER_TASK,
+    RUN_TASK,
+    make_celery,
+    make_consumer,
+    wake_scheduler,
+    worker_queue,
+)
 from store.db import session_scope
 from store.settings import Settings
 from store.workers import (
@@ -31,10 +38,12 @@ from store.workers import (
 )
 from worker.identity import Device
 from worker.supervisor import WorkerContext, run_assignment
+from worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 HB_POLL_S = 0.2
+REREGISTER_EVERY_S = 5.0
 
 
 class WorkerNode:
@@ -52,6 +61,10 @@ class WorkerNode:
         self._lock = lock  # held for the process's life: this slot is ours
         self._hb_stop = threading.Event()
         self._stop_marked = False
+        self.watchdog = Watchdog(self.ctx)
+        self.ctx.extra_env = self.watchdog.lease_env()
+        self.app = make_celery(settings)
+        self._asked_register_at = -REREGISTER_EVERY_S
 
     @property
     def worker_id(self) -> str:
@@ -73,6 +86,7 @@ class WorkerNode:
     def register(self) -> None:
         with session_scope(self.settings.db_url) as s:
             lost = register_worker(s, self.info())
+        self.ctx.store_ok()
         if lost:
             log.warning("previous process of %s left jobs %s; marked lost", self.worker_id, lost)
         log.info("worker %s registered (queue %s)", self.worker_id, self.queue)
@@ -90,18 +104,39 @@ class WorkerNode:
                 if time.monotonic() < next_beat:
                     continue
                 next_beat = time.monotonic() + self.settings.heartbeat_interval_s
+                if self.watchdog.loop_stalled(time.monotonic()):
+                    # The supervision loop is stuck: stop vouching, so the reaper takes over.
+                    log.warning("worker %s: supervision loop stalled; no heartbeat", self.worker_id)
+                    continue
                 with session_scope(self.settings.db_url) as s:
                     state = heartbeat(s, self.worker_id)
+                self.ctx.store_ok()
                 if (
                     state in (LOST, None)
                     and self.ctx.current_assignment is None
                     and not self.ctx.stopping.is_set()
                 ):
-                    # Declared lost while alive (a long stall): come back as a fresh worker.
-                    log.warning("worker %s was marked %s; registering again", self.worker_id, state)
-                    self.register()
+                    self._ask_register(state)
             except Exception as e:
                 log.warning("heartbeat failed (%s)", e)
+
+    def _ask_register(self, state: str | None) -> None:
+        """Declared lost while alive (a long stall, a missed claim deadline): come back as
+        a fresh worker, but through our own queue, so only a working consumer returns."""
+        now = time.monotonic()
+        if now - self._asked_register_at < REREGISTER_EVERY_S:
+            return
+        self._asked_register_at = now
+        log.warning("worker %s was marked %s; asking to register again", self.worker_id, state)
+        self.app.send_task(
+            REGISTER_TASK, args=[], queue=self.queue, retry=False, ignore_result=True
+        )
+
+    def _register_task(self) -> None:
+        with session_scope(self.settings.db_url) as s:
+            state = heartbeat(s, self.worker_id)
+        if state in (LOST, None) and not self.ctx.stopping.is_set():
+            self.register()
 
     def _on_shutdown(self, **_: Any) -> None:
         # Called inside Celery's signal handler: only set a flag.
@@ -137,10 +172,12 @@ class WorkerNode:
         self.register()
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
-        app = make_celery(self.settings)
+        self.watchdog.start()
+        app = self.app
         app.conf.worker_enable_remote_control = False
         app.conf.worker_redirect_stdouts = False
         app.task(name=RUN_TASK, acks_late=True, ignore_result=True)(self._task)
+        app.task(name=REGISTER_TASK, ignore_result=True)(self._register_task)
         signals.worker_shutting_down.connect(self._on_shutdown, weak=False)
         w = make_consumer(app, name=self.worker_id, queue=self.queue)
         try:
@@ -149,6 +186,7 @@ class WorkerNode:
             self.ctx.stopping.set()
             self._hb_stop.set()
             hb.join(timeout=5)
+            self.watchdog.stop()
             try:
                 with session_scope(self.settings.db_url) as s:
                     deregister(s, self.worker_id)

@@ -62,9 +62,13 @@ def trainer_argv(launch: Launch) -> list[str]:
 
 
 def trainer_env(
-    *, data_root: Path, cuda_visible: str, threads: int | None = None
+    *, data_root: Path, cuda_visible: str, threads: int | None = None, attempt: int | None = None
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    if attempt is not None:
+        # Stamped on every event, so a later attempt's supervisor can tell this trainer's
+        # lines from its own in the job's shared events.jsonl.
+        env["TORCHYARD_ATTEMPT"] = str(attempt)
     if threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["TORCHYARD_DATA_ROOT"] = str(data_root)
@@ -116,12 +120,3 @@ def free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"

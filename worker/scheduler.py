@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -17,7 +18,7 @@ from store.db import session_scope
 from store.models import utcnow
 from store.scheduling import RESERVE_AFTER_S, Dispatch, resend_due, schedule
 from store.settings import Settings
-from store.workers import reap_stale_workers, release_orphaned_workers
+from store.workers import expire_unclaimed, reap_stale_workers, release_orphaned_workers
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class Scheduler:
         self._lock = threading.Lock()  # the wake-up task and the tick never overlap here
         self._stop = threading.Event()
         self._last_sent: dict[int, datetime] = {}
+        # monotonic time since which every store call of the tick succeeded (None: failing)
+        self._store_ok_since: float | None = None
 
     def _send(self, assignment_id: int, queue: str) -> bool:
         try:
@@ -75,7 +78,16 @@ class Scheduler:
                 )
             return out
 
+    def reaper_ready(self) -> bool:
+        """Only after the store has answered this scheduler for a full heartbeat timeout:
+        during an outage (or before this process started) no worker could write its
+        heartbeat, so a stale one proves nothing yet."""
+        ok = self._store_ok_since
+        return ok is not None and time.monotonic() - ok >= self.settings.heartbeat_timeout_s
+
     def reap(self) -> int:
+        if not self.reaper_ready():
+            return 0
         with self._lock, session_scope(self.settings.db_url) as s:
             reaped = reap_stale_workers(s, self.settings.heartbeat_timeout_s)
             freed = release_orphaned_workers(s)
@@ -95,6 +107,15 @@ class Scheduler:
                     "handed back %d attempts assigned to workers that went away", len(abandoned)
                 )
             with session_scope(self.settings.db_url) as s:
+                expired = expire_unclaimed(s, self.settings.claim_timeout_s)
+            for job_id, wid in expired:
+                log.warning(
+                    "worker %s did not claim job %s within %gs: handed back, worker marked lost",
+                    wid,
+                    job_id,
+                    self.settings.claim_timeout_s,
+                )
+            with session_scope(self.settings.db_url) as s:
                 rows = unclaimed_assignments(s, older)
             live = {a for a, _, _ in rows}
             self._last_sent = {k: v for k, v in self._last_sent.items() if k in live}
@@ -106,11 +127,17 @@ class Scheduler:
             return n
 
     def tick(self) -> None:
+        ok = True
         for step in (self.reap, self.reconcile, self.schedule_pass):
             try:
                 step()
             except Exception as e:  # the next tick retries; never kill the loop
+                ok = False
                 log.warning("scheduler %s failed: %s", step.__name__, e)
+        if not ok:
+            self._store_ok_since = None
+        elif self._store_ok_since is None:
+            self._store_ok_since = time.monotonic()
 
     def _tick_loop(self) -> None:
         self.tick()

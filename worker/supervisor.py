@@ -1,15 +1,16 @@
-"""Running one assignment (one rank of one attempt) on this worker: take the lease, write
-the spec, meet the other ranks, start the trainer, follow its events into the store,
-act on cancel / stop / a lost attempt, and record how it ended.
+"""Running one assignment (one rank of one attempt) on this worker: take the lease, ingest
+what earlier attempts left unrecorded, write the spec, meet the other ranks, start the
+trainer, follow its events into the store, act on cancel / stop / a lost attempt, and
+record how it ended. How an ending is classified is `worker/outcome.py`; what it does to
+the job is `store.lifecycle.finish_attempt`.
 
-Outcome rules (rank 0 reads the events; other ranks only see their exit status):
-- exit 0 -> succeeded (rank 0 decides; other ranks just end their part);
-- an `error` event -> failed with "kind: message"; nonfinite_loss, data and
-  out_of_memory are deterministic (retrying gives the same) so the job fails at once,
-  other kinds are retried while restarts remain;
-- the worker stopping (SIGTERM) -> handed back: the job is queued again, not counted;
-- killed by a signal (OOM killer, SIGKILL) -> lost: retried from the latest checkpoint;
-- cancel requested -> cancelled (succeeded still wins if it finished first).
+Faults, and what this module does about them:
+- the store is unreachable: events stay buffered (never dropped) and their offset is
+  committed with them, so nothing is lost however long the outage; the watchdog
+  (`worker/watchdog.py`) stops the trainer before the reaper could give the job away;
+- the trainer has exited: recording the end is retried until the store answers or says
+  the attempt is over (a fenced write), never abandoned;
+- the attempt was ended elsewhere: every write is fenced, the trainer is killed.
 """
 
 from __future__ import annotations
@@ -35,33 +36,35 @@ from store.attempts import (
     A_FAILED,
     A_HANDED_BACK,
     A_LOST,
-    A_SUCCEEDED,
     ATTEMPT_ACTIVE,
     claim_assignment,
     end_assignment,
     finish_attempt,
+    ingest_start,
     latest_resume_checkpoint,
     mark_launched,
     read_endpoint,
     set_endpoint,
 )
 from store.db import session_scope
+from store.lifecycle import Fenced
 from store.models import Attempt, Job
 from store.paths import EVENTS_FILE, LOG_FILE, SPEC_FILE, job_dir
 from store.settings import Settings
 from store.states import CANCELLING
-from trainer import exitcodes
 from worker.events import EventRecorder, EventTail
 from worker.identity import Device
-from worker.proc import (
-    Launch,
+from worker.outcome import (
+    STOP_CANCEL,
+    STOP_STORE_LOST,
+    STOP_WORKER,
+    Decision,
+    Ending,
+    decide,
     describe_exit,
-    free_port,
-    signal_group,
-    spawn,
-    trainer_argv,
-    trainer_env,
+    oom_kills,
 )
+from worker.proc import Launch, free_port, signal_group, spawn, trainer_argv, trainer_env
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +74,15 @@ FLUSH_S = 0.5
 FLUSH_EVENTS = 500
 STOP_GRACE_MIN_S = 30.0  # a stopping worker gives its trainer this long to checkpoint
 PEER_DECIDES_S = 5.0  # a failed non-zero rank lets rank 0 (which has the events) decide first
-DETERMINISTIC_ERRORS = frozenset({"nonfinite_loss", "data", "out_of_memory"})
+RETRY_MAX_WAIT_S = 5.0
 
 T = TypeVar("T")
 
 
 @dataclass
 class WorkerContext:
-    """What a running assignment needs from its worker process."""
+    """What a running assignment needs from its worker process, and what the worker's
+    heartbeat and watchdog threads read of it."""
 
     settings: Settings
     worker_id: str
@@ -88,6 +92,18 @@ class WorkerContext:
     current_assignment: int | None = None
     # Test hook and diagnostics: called with the trainer's pid once it is started.
     on_launch: Callable[[int], None] | None = None
+    # monotonic time of the last store round trip that succeeded (any thread)
+    store_ok_at: float = field(default_factory=time.monotonic)
+    # monotonic time the supervision loop last went round (None: not supervising)
+    loop_beat: float | None = None
+    trainer: subprocess.Popen[bytes] | None = None
+    # set by the watchdog when it stopped the trainer because the store was out of reach
+    store_lost_stop: threading.Event = field(default_factory=threading.Event)
+    # added to the trainer's environment (the watchdog's lease)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def store_ok(self) -> None:
+        self.store_ok_at = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -102,17 +118,27 @@ class Claimed:
     cancelling: bool
 
 
-def _retry(what: str, fn: Callable[[], T], tries: int = 30, wait_s: float = 1.0) -> T:
-    """Store writes that must not be lost (an attempt's end) survive a database blip."""
-    for i in range(tries):
+def retry_until(
+    what: str,
+    fn: Callable[[], T],
+    *,
+    give_up: Callable[[], bool] = lambda: False,
+) -> T:
+    """Store writes that must not be lost (an attempt's end) are retried with backoff until
+    they succeed, however long the outage. `Fenced` is an answer, not a fault: it is raised
+    at once. `give_up` ends the wait early by re-raising the last error."""
+    wait = 0.2
+    while True:
         try:
             return fn()
+        except Fenced:
+            raise
         except Exception as e:
-            if i == tries - 1:
+            if give_up():
                 raise
-            log.warning("%s failed (%s); retrying", what, e)
-            time.sleep(wait_s)
-    raise AssertionError("unreachable")
+            log.warning("%s failed (%s); retrying in %.1fs", what, e, wait)
+            time.sleep(wait)
+            wait = min(RETRY_MAX_WAIT_S, wait * 2)
 
 
 def claim(ctx: WorkerContext, assignment_id: int) -> Claimed | None:
@@ -140,12 +166,21 @@ class Supervision:
         self.ctx, self.c = ctx, c
         self.db = ctx.settings.db_url
         self.run_dir = job_dir(ctx.settings.storage, c.job_id)
+        self.events_path = self.run_dir / EVENTS_FILE
         self.recorder = EventRecorder(c.job_id, c.attempt_id, c.attempt_number)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.stop_why: str | None = None  # cancel | stopping | ended
+        self.stop_why: str | None = None
+        self.fenced = False  # the attempt was ended elsewhere: write nothing more
         self.resume_rel: str | None = None
+        self.oom_before: int | None = None
 
-    # ---- launch -------------------------------------------------------------------------
+    def _tx(self, fn: Callable[[Any], T]) -> T:
+        with session_scope(self.db) as s:
+            out = fn(s)
+        self.ctx.store_ok()
+        return out
+
+    # ---- before the launch --------------------------------------------------------------
 
     def _write_spec(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,21 +190,39 @@ class Supervision:
         os.replace(tmp, path)
         return path
 
+    def _ingest_backlog(self) -> int:
+        """Rank 0: record what earlier attempts' trainers wrote after their supervisor's
+        last commit (a worker killed, cut off, or out of store), then return where this
+        attempt's own events begin. Those earlier lines are for the record only."""
+        with contextlib.suppress(FileNotFoundError), open(self.events_path, "rb+") as f:
+            # A line torn by a kill or a full disk would swallow the new trainer's first line.
+            if f.seek(0, os.SEEK_END) > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+        start = self._tx(lambda s: ingest_start(s, self.c.job_id))
+        backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None)
+        tail = EventTail(self.events_path, start)
+        try:
+            n = backlog.add_all(tail, final=True)
+        finally:
+            tail.close()
+        self._tx(backlog.write)
+        if n:
+            log.info("job %s: ingested %d events left by earlier attempts", self.c.job_id, n)
+        return tail.offset
+
     def _rendezvous(self) -> tuple[str, int] | None:
         """Rank 0 publishes host:port; the others wait for it (None: gave up)."""
         if self.c.world_size == 1:
             return None
         if self.c.rank == 0:
             addr, port = self.ctx.advertise_addr, free_port()
-            with session_scope(self.db) as s:
-                set_endpoint(s, self.c.attempt_id, f"{addr}:{port}")
+            self._tx(lambda s: set_endpoint(s, self.c.attempt_id, f"{addr}:{port}"))
             return addr, port
         deadline = time.monotonic() + self.ctx.settings.rendezvous_timeout_s
         while time.monotonic() < deadline and not self.ctx.stopping.is_set():
-            with session_scope(self.db) as s:
-                endpoint, state = read_endpoint(s, self.c.attempt_id)
+            endpoint, state = self._tx(lambda s: read_endpoint(s, self.c.attempt_id))
             if state not in ATTEMPT_ACTIVE:
-                raise _AttemptOver
+                raise Fenced(self.c.attempt_id, state)
             if endpoint:
                 host, _, port = endpoint.rpartition(":")
                 return host, int(port)
@@ -177,13 +230,19 @@ class Supervision:
         return None
 
     def _log_line(self, text: str) -> None:
-        fd = os.open(self.run_dir / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        """A marker in the job log. Best effort: a full disk must not wedge the worker."""
         try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
+            fd = os.open(self.run_dir / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("job %s: could not write to the job log (%s)", self.c.job_id, e)
 
-    def launch(self, master: tuple[str, int] | None, spec_path: Path, resume: Path | None) -> None:
+    def launch(
+        self, master: tuple[str, int] | None, spec_path: Path, resume: Path | None, start: int
+    ) -> None:
         launch = Launch(
             spec_path=spec_path,
             run_dir=self.run_dir,
@@ -194,32 +253,36 @@ class Supervision:
             master_port=master[1] if master else None,
         )
         now = datetime.now(UTC).isoformat(timespec="seconds")
-        start = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
+        how = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
         self._log_line(
             f"===== torchyard: attempt {self.c.attempt_number}, rank {self.c.rank}/"
-            f"{self.c.world_size}, worker {self.ctx.worker_id}, {now}, {start} =====\n"
+            f"{self.c.world_size}, worker {self.ctx.worker_id}, {now}, {how} =====\n"
         )
         env = trainer_env(
             data_root=self.ctx.settings.data,
             cuda_visible=self.ctx.device.cuda_visible,
             threads=self.ctx.settings.trainer_threads,
+            attempt=self.c.attempt_number,
         )
-        self.tail = EventTail(
-            self.run_dir / EVENTS_FILE, EventTail.size_of(self.run_dir / EVENTS_FILE)
-        )
+        env.update(self.ctx.extra_env)
+        self.tail = EventTail(self.events_path, start)
+        self.recorder.offset = start
         fd = os.open(self.run_dir / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            self.oom_before = oom_kills()
             self.proc = spawn(trainer_argv(launch), env=env, cwd=self.run_dir, log_fd=fd)
         finally:
             os.close(fd)
+        self.ctx.trainer = self.proc
         if self.ctx.on_launch is not None:
             self.ctx.on_launch(self.proc.pid)
         pid = self.proc.pid
-        _retry(
+        retry_until(
             "recording the trainer pid",
-            lambda: self._in_tx(
+            lambda: self._tx(
                 lambda s: mark_launched(s, self.c.assignment_id, pid, resumed_from=self.resume_rel)
             ),
+            give_up=lambda: self.proc is not None and self.proc.poll() is not None,
         )
         log.info(
             "job %s attempt %d rank %d: trainer pid %d",
@@ -229,34 +292,40 @@ class Supervision:
             pid,
         )
 
-    def _in_tx(self, fn: Callable[[Any], T]) -> T:
-        with session_scope(self.db) as s:
-            return fn(s)
-
     # ---- supervision --------------------------------------------------------------------
 
     def _flush(self) -> None:
-        if not self.recorder.pending:
+        """Write the buffered events (fenced); on a store error they stay buffered."""
+        if self.fenced or not self.recorder.pending:
             return
         try:
-            with session_scope(self.db) as s:
-                self.recorder.write(s)
+            self._tx(self.recorder.write)
             self.recorder.clear()
-        except Exception as e:  # kept in the buffer; the next flush retries
-            log.warning("event flush failed (%s); will retry", e)
+        except Fenced:
+            self._fence_hit()
+        except Exception as e:
+            log.warning("event flush failed (%s); kept, will retry", e)
+
+    def _fence_hit(self) -> None:
+        """Someone else ended this attempt (the reaper, another rank): the job may already
+        run elsewhere, so this trainer must not write another byte."""
+        self.fenced = True
+        if self.proc is not None and self.proc.poll() is None:
+            self._stop("attempt ended elsewhere", signal.SIGKILL, None)
 
     def _poll_store(self) -> tuple[str | None, str | None]:
-        with session_scope(self.db) as s:
+        def q(s: Any) -> tuple[str | None, str | None]:
             row = s.execute(
                 select(Job.state, Attempt.state)
                 .join(Attempt, Attempt.job_id == Job.id)
                 .where(Attempt.id == self.c.attempt_id)
             ).first()
-        return (row[0], row[1]) if row else (None, None)
+            return (row[0], row[1]) if row else (None, None)
+
+        return self._tx(q)
 
     def _stop(self, why: str, sig: int, grace_s: float | None) -> float | None:
         assert self.proc is not None
-        self.stop_why = why
         log.info(
             "job %s: %s -> sending %s to the trainer", self.c.job_id, why, signal.Signals(sig).name
         )
@@ -270,18 +339,31 @@ class Supervision:
                 self.proc.send_signal(sig)
         return None if grace_s is None else time.monotonic() + grace_s
 
+    def _check_store(self) -> float | None:
+        """Poll the job and attempt state; act on a cancel or an attempt ended elsewhere."""
+        try:
+            job_state, att_state = self._poll_store()
+        except Exception as e:
+            log.warning("store poll failed (%s)", e)
+            return None
+        if att_state not in ATTEMPT_ACTIVE:
+            self._fence_hit()
+        elif job_state == CANCELLING:
+            self.stop_why = STOP_CANCEL
+            return self._stop("cancel requested", signal.SIGTERM, self.ctx.settings.cancel_grace_s)
+        return None
+
     def supervise(self) -> int:
         assert self.proc is not None
         rank0 = self.c.rank == 0
-        settings = self.ctx.settings
         kill_at: float | None = None
         last_poll = last_flush = time.monotonic()
         while True:
+            now = time.monotonic()
+            self.ctx.loop_beat = now
             rc = self.proc.poll()
             if rank0:
-                for ev in self.tail.read():
-                    self.recorder.add(ev)
-                now = time.monotonic()
+                self.recorder.add_all(self.tail)
                 if self.recorder.pending and (
                     now - last_flush >= FLUSH_S or self.recorder.pending >= FLUSH_EVENTS
                 ):
@@ -289,30 +371,15 @@ class Supervision:
                     last_flush = now
             if rc is not None:
                 break
-            now = time.monotonic()
-            if self.stop_why is None and now - last_poll >= STATE_POLL_S:
+            if self.stop_why is None and not self.fenced and now - last_poll >= STATE_POLL_S:
                 last_poll = now
-                try:
-                    job_state, att_state = self._poll_store()
-                except Exception as e:
-                    log.warning("store poll failed (%s)", e)
-                    job_state, att_state = None, "unknown"
-                if att_state is None or (
-                    att_state not in ATTEMPT_ACTIVE and att_state != "unknown"
-                ):
-                    # Someone else ended this attempt (the reaper, another rank): the job
-                    # may already run elsewhere, so this trainer must not write another byte.
-                    kill_at = self._stop("attempt ended elsewhere", signal.SIGKILL, None)
-                    self.stop_why = "ended"
-                elif job_state == CANCELLING:
-                    kill_at = self._stop(
-                        "cancel requested", signal.SIGTERM, settings.cancel_grace_s
-                    )
-                    self.stop_why = "cancel"
-            if self.stop_why is None and self.ctx.stopping.is_set():
-                grace = max(settings.cancel_grace_s, STOP_GRACE_MIN_S)
+                kill_at = self._check_store()
+            if self.stop_why is None and self.ctx.store_lost_stop.is_set():
+                self.stop_why = STOP_STORE_LOST  # the watchdog signals the trainer itself
+            if self.stop_why is None and not self.fenced and self.ctx.stopping.is_set():
+                grace = max(self.ctx.settings.cancel_grace_s, STOP_GRACE_MIN_S)
                 kill_at = self._stop("worker stopping", signal.SIGTERM, grace)
-                self.stop_why = "stopping"
+                self.stop_why = STOP_WORKER
             if kill_at is not None and now >= kill_at:
                 log.warning(
                     "job %s: trainer still alive after the grace period; SIGKILL", self.c.job_id
@@ -320,127 +387,123 @@ class Supervision:
                 signal_group(self.proc, signal.SIGKILL)
                 kill_at = None
             time.sleep(POLL_S)
+        self.ctx.loop_beat = None
         # Whatever the trainer left in its group (torchrun ranks, loader workers) goes too.
         signal_group(self.proc, signal.SIGKILL)
         if rank0:
-            for ev in self.tail.read(final=True):
-                self.recorder.add(ev)
+            self.recorder.add_all(self.tail, final=True)
             self.tail.close()
-            for _ in range(20):
-                self._flush()
-                if not self.recorder.pending:
-                    break
-                time.sleep(0.5)
+            if not self.fenced:
+                retry_until("recording the trainer's last events", self._flush_or_raise)
         return rc
+
+    def _flush_or_raise(self) -> None:
+        try:
+            self._tx(self.recorder.write)
+            self.recorder.clear()
+        except Fenced:
+            self.fenced = True
 
     # ---- the end ------------------------------------------------------------------------
 
-    def _decide(self, rc: int) -> tuple[str, str, str | None, bool] | None:
-        """(attempt outcome, reason, job error, retryable), or None to leave it to others."""
+    def _ending(self, rc: int) -> Decision | None:
         o = self.recorder.outcome
-        wid = self.ctx.worker_id
-        step = f" at step {o.last_step}" if o.last_step is not None else ""
-        if self.stop_why == "ended":
+        if self.fenced:
             return None
-        job_state, att_state = _retry("reading the job state", self._poll_store)
+        job_state, att_state = retry_until("reading the job state", self._poll_store)
         if att_state not in ATTEMPT_ACTIVE:
             return None
-        if self.stop_why == "cancel" or job_state == CANCELLING:
-            if rc == exitcodes.OK and o.finished:
-                return A_SUCCEEDED, "finished before the cancel arrived", None, False
-            return A_CANCELLED, f"cancelled{step}", None, False
-        if self.stop_why == "stopping":
-            return (
-                A_HANDED_BACK,
-                f"worker {wid} stopping; trainer {describe_exit(rc)}{step}",
-                None,
-                False,
-            )
-        # Rank 0's `finished` event comes after the final checkpoint and weights are written:
-        # the job is done even if torchrun's exit code says a rank stumbled while exiting.
-        if rc == exitcodes.OK or (o.finished and o.error is None):
-            if self.c.rank == 0:
-                return A_SUCCEEDED, "finished", None, False
-            return None
-        if o.error is not None:
-            kind = str(o.error.get("kind", "internal"))
-            msg = f"{kind}: {o.error.get('message', '')}".strip()
-            return A_FAILED, msg, msg, kind not in DETERMINISTIC_ERRORS
-        if o.stopped is not None or rc == exitcodes.PREEMPTED:
-            return A_HANDED_BACK, f"trainer preempted by a SIGTERM from outside{step}", None, False
-        if rc == exitcodes.BAD_SPEC:
-            msg = "the trainer refused the spec or its arguments (exit 2); see the job log"
-            return A_FAILED, msg, msg, False
-        if rc in (exitcodes.NONFINITE_LOSS, exitcodes.OUT_OF_MEMORY):
-            msg = f"{exitcodes.NAMES[rc]} (exit {rc}); see the job log"
-            return A_FAILED, msg, msg, False
-        if self.c.rank != 0:
+        if self.ctx.store_lost_stop.is_set() and self.stop_why is None:
+            self.stop_why = STOP_STORE_LOST
+        after = oom_kills()
+        ending = Ending(
+            rc=rc,
+            rank=self.c.rank,
+            worker_id=self.ctx.worker_id,
+            stop_why=self.stop_why,
+            job_state=job_state,
+            finished=o.finished,
+            error=o.error,
+            stopped=o.stopped is not None,
+            last_step=o.last_step,
+            oom_killed=self.oom_before is not None
+            and after is not None
+            and after > self.oom_before,
+        )
+        decision = decide(ending)
+        if (
+            decision is not None
+            and self.c.rank != 0
+            and decision.outcome in (A_LOST, A_FAILED)
+            and self.stop_why is None
+        ):
             # Rank 0 has the events and usually the real error: let it decide first.
             deadline = time.monotonic() + PEER_DECIDES_S
             while time.monotonic() < deadline:
                 if self._poll_store()[1] not in ATTEMPT_ACTIVE:
                     return None
                 time.sleep(0.2)
-        if rc < 0:
-            return A_LOST, f"rank {self.c.rank} trainer {describe_exit(rc)}{step}", None, True
-        msg = f"rank {self.c.rank} trainer {describe_exit(rc)}{step}; see the job log"
-        return A_FAILED, msg, msg, True
+        return decision
 
-    def finish(
-        self, rc: int | None, decision: tuple[str, str, str | None, bool] | None
-    ) -> str | None:
+    def finish(self, rc: int | None, decision: Decision | None) -> str | None:
         def tx(s: Any) -> str | None:
             end_assignment(s, self.c.assignment_id, rc)
             if decision is None:
                 return None
-            outcome, reason, error, retryable = decision
             return finish_attempt(
                 s,
                 self.c.attempt_id,
-                outcome,
+                decision.outcome,
                 exit_code=rc,
-                reason=reason,
-                error=error,
-                retryable=retryable,
+                reason=decision.reason,
+                error=decision.error,
+                retryable=decision.retryable,
             )
 
-        state = _retry("recording the attempt's end", lambda: self._in_tx(tx))
+        state = retry_until("recording the attempt's end", lambda: self._tx(tx))
         if decision is not None:
             log.info(
                 "job %s attempt %d rank %d: %s (%s) -> job %s",
                 self.c.job_id,
                 self.c.attempt_number,
                 self.c.rank,
-                decision[0],
-                decision[1],
+                decision.outcome,
+                decision.reason,
                 state,
             )
         return state
 
+    def _prepare(self) -> tuple[Path, Path | None, tuple[str, int] | None, int] | Decision:
+        """Everything before the launch; a Decision when the attempt ends here."""
+        spec_path = self._write_spec()
+        start = self._ingest_backlog() if self.c.rank == 0 else 0
+        found = self._tx(lambda s: latest_resume_checkpoint(s, self.c.job_id, self.run_dir))
+        resume = None
+        if found is not None:
+            self.resume_rel, resume = found
+        master = self._rendezvous()
+        if self.c.world_size > 1 and master is None:
+            if self.ctx.stopping.is_set():
+                return Decision(A_HANDED_BACK, f"worker {self.ctx.worker_id} stopping", None, False)
+            t = self.ctx.settings.rendezvous_timeout_s
+            return Decision(
+                A_LOST, f"rendezvous: rank 0's endpoint not published within {t:g}s", None, True
+            )
+        return spec_path, resume, master, start
+
     def run(self) -> None:
         if self.c.cancelling:
-            self.finish(None, (A_CANCELLED, "cancelled before it started", None, False))
+            self.finish(None, Decision(A_CANCELLED, "cancelled before it started", None, False))
             return
+        self.ctx.store_lost_stop.clear()
         try:
-            spec_path = self._write_spec()
-            with session_scope(self.db) as s:
-                found = latest_resume_checkpoint(s, self.c.job_id, self.run_dir)
-            resume = None
-            if found is not None:
-                self.resume_rel, resume = found
-            master = self._rendezvous()
-            if self.c.world_size > 1 and master is None:
-                if self.ctx.stopping.is_set():
-                    self.finish(
-                        None, (A_HANDED_BACK, f"worker {self.ctx.worker_id} stopping", None, False)
-                    )
-                else:
-                    t = self.ctx.settings.rendezvous_timeout_s
-                    why = f"rendezvous: rank 0's endpoint not published within {t:g}s"
-                    self.finish(None, (A_LOST, why, None, True))
+            prepared = self._prepare()
+            if isinstance(prepared, Decision):
+                self.finish(None, prepared)
                 return
-            self.launch(master, spec_path, resume)
-        except _AttemptOver:
+            spec_path, resume, master, start = prepared
+            self.launch(master, spec_path, resume, start)
+        except Fenced:
             self.finish(None, None)
             return
         except Exception as e:
@@ -449,7 +512,10 @@ class Supervision:
                 signal_group(self.proc, signal.SIGKILL)
                 self.proc.wait()
             self.finish(
-                None, (A_FAILED, f"launch failed on worker {self.ctx.worker_id}: {e}", None, True)
+                None,
+                Decision(
+                    A_FAILED, f"launch failed on worker {self.ctx.worker_id}: {e}", None, True
+                ),
             )
             return
         try:
@@ -458,15 +524,13 @@ class Supervision:
             # Never leave a trainer behind an exception in the worker.
             signal_group(self.proc, signal.SIGKILL)
             raise
+        finally:
+            self.ctx.trainer = None
         self._log_line(
             f"===== torchyard: attempt {self.c.attempt_number}, rank {self.c.rank}: "
             f"trainer {describe_exit(rc)} =====\n"
         )
-        self.finish(rc, self._decide(rc))
-
-
-class _AttemptOver(Exception):
-    """The attempt ended while this rank was still getting ready."""
+        self.finish(rc, self._ending(rc))
 
 
 def run_assignment(ctx: WorkerContext, assignment_id: int) -> bool:

@@ -55,7 +55,7 @@ def _tables(url: str) -> set[str]:
 def test_upgrade_from_empty_matches_the_models(empty_url: str) -> None:
     assert migrate.current(empty_url) is None
     migrate.upgrade(empty_url)
-    assert migrate.current(empty_url) == "0001"
+    assert migrate.current(empty_url) == "0002"
     assert _tables(empty_url) == set(Base.metadata.tables)
     assert _diff(empty_url) == []
     migrate.upgrade(empty_url)  # idempotent

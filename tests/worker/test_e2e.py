@@ -226,10 +226,24 @@ def test_cancel_ends_a_running_job_within_5s(cluster: Cluster) -> None:
     c.wait_workers(2)
 
 
-def test_sigkilled_worker_job_resumes_elsewhere_bitwise_equal(cluster: Cluster) -> None:
+@pytest.fixture(scope="module")
+def long_ref(cluster: Cluster) -> dict[str, torch.Tensor]:
+    """The final weights of LONG run without interruption on this cluster."""
+    ref = cluster.submit(LONG)
+    cluster.wait_state(ref["id"], "succeeded", timeout=180)
+    return _weights(cluster, ref["id"])
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_sigkilled_worker_job_resumes_elsewhere_bitwise_equal(
+    cluster: Cluster, long_ref: dict[str, torch.Tensor]
+) -> None:
     c = cluster
-    ref = c.submit(LONG)
-    c.wait_state(ref["id"], "succeeded", timeout=180)
 
     job = c.submit(LONG)
     wait_for(lambda: _checkpointed_and_running(c, job["id"], 80), 120, "a checkpoint at step 80")
@@ -246,15 +260,46 @@ def test_sigkilled_worker_job_resumes_elsewhere_bitwise_equal(cluster: Cluster) 
     assert done["attempt"] == 2 and step_at_kill < done["progress"]["total_steps"]
     assert "resuming from checkpoints/step-" in c.job_log(job["id"])
     # Exact resume: the same final weights as the uninterrupted run, bit for bit.
-    a, b = _weights(c, ref["id"]), _weights(c, job["id"])
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    _assert_bitwise(long_ref, _weights(c, job["id"]))
     # The replayed steps were stored once each, with no gap.
     steps, _ = c.metrics(job["id"], "train/loss")
     total = done["progress"]["total_steps"]
     assert steps == list(range(5, total + 1, 5))
     c.start_worker(victim)
+    c.wait_workers(2)
+
+
+def test_frozen_worker_trainer_stops_before_the_job_runs_elsewhere(
+    cluster: Cluster, long_ref: dict[str, torch.Tensor]
+) -> None:
+    """A worker frozen (SIGSTOP) for longer than the heartbeat timeout used to leave its
+    trainer running while the reaper started the job again on the same run directory: two
+    attempts at once. Now the trainer's lease goes stale, it checkpoints and stops by
+    itself before the job can be given away; the job resumes elsewhere, bitwise exact, and
+    the frozen worker, once thawed, writes nothing for the old attempt and comes back."""
+    c = cluster
+    job = c.submit(LONG)
+    wait_for(lambda: _checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
+    victim = _running_worker(c, job["id"])
+    trainer = _trainer_pid(c, job["id"])
+    c.kill(victim, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not pid_alive(trainer), 10, "the trainer to stop on its stale lease")
+        wait_for(lambda: c.job(job["id"])["attempt"] == 2, 60, "the job to be re-queued")
+    finally:
+        c.kill(victim, signal.SIGCONT)
+    done = c.wait_state(job["id"], "succeeded", timeout=240)
+    first = done["attempts"][0]
+    assert first["state"] == "lost", first
+    events = _events(c, job["id"])
+    stopped = [e for e in events if e["type"] == "stopped" and e.get("attempt") == 1]
+    assert stopped and stopped[0]["signal"] == "lease expired"
+    last_of_first = max(e["time"] for e in events if e.get("attempt") == 1)
+    first_of_second = min(e["time"] for e in events if e.get("attempt") == 2)
+    assert last_of_first < first_of_second  # never two attempts at once
+    _assert_bitwise(long_ref, _weights(c, job["id"]))
+    steps, _ = c.metrics(job["id"], "train/loss")
+    assert steps == list(range(5, done["progress"]["total_steps"] + 1, 5))
     c.wait_workers(2)
 
 

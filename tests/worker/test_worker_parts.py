@@ -12,7 +12,7 @@ from sqlalchemy import update
 from worker_factories import make_job, make_worker
 
 from store.db import session_scope
-from store.models import Assignment, Job, Worker, utcnow
+from store.models import Assignment, Attempt, Job, Worker, utcnow
 from store.settings import Settings
 from worker.identity import SlotTaken, claim_id
 from worker.proc import Launch, trainer_argv, trainer_env
@@ -100,7 +100,7 @@ def test_reconciler_resends_lost_messages_and_hands_back_gone_workers(
     sched.sent.clear()
     with session_scope(sqlite_url) as s:
         # Both messages were lost; w2 then stopped before taking its assignment.
-        old = utcnow() - timedelta(seconds=60)
+        old = utcnow() - timedelta(seconds=10)  # past the re-send delay, not the claim deadline
         s.execute(update(Assignment).values(created_at=old))
         s.execute(update(Worker).where(Worker.id == "w2").values(state="stopped"))
         on_w2 = s.query(Assignment).filter_by(worker_id="w2").one().job_id
@@ -112,3 +112,31 @@ def test_reconciler_resends_lost_messages_and_hands_back_gone_workers(
         assert j is not None and j.state == "queued" and j.attempt == 2
         assert "went away" in (j.pending_reason or "")
         assert {a.id, b.id} >= {on_w2}
+
+
+def test_claim_deadline_gives_the_job_to_another_worker(sqlite_url: str, tmp_path: Path) -> None:
+    """A worker whose consumer hangs (heartbeat alive, message never taken) used to keep its
+    job `starting` forever while the reconciler re-sent. Past the claim deadline the attempt
+    is handed back (not counted), the job starts on another worker, and the silent worker
+    is lost until it registers again."""
+    settings = Settings(_env_file=None, database_url=sqlite_url, home=tmp_path, claim_timeout_s=5)  # type: ignore[call-arg]
+    sched = _Sent(settings)
+    with session_scope(sqlite_url) as s:
+        make_worker(s, "w1")
+        job = make_job(s, name="a")
+    assert [q for _, q in (sched.schedule_pass() and sched.sent)] == ["q.w1"]
+    with session_scope(sqlite_url) as s:
+        make_worker(s, "w2")
+        s.execute(update(Assignment).values(created_at=utcnow() - timedelta(seconds=6)))
+    sched.reconcile()
+    with session_scope(sqlite_url) as s:
+        j = s.get(Job, job.id)
+        assert j is not None and j.state == "queued" and j.attempt == 2
+        assert "did not claim" in (j.pending_reason or "")
+        w1 = s.get(Worker, "w1")
+        assert w1 is not None and w1.state == "lost"
+        att = s.query(Attempt).filter_by(job_id=job.id, number=1).one()
+        assert att.state == "handed_back"  # not counted against max_restarts
+    sched.sent.clear()
+    out = sched.schedule_pass()
+    assert [(d.job_id, d.worker_id) for d in out] == [(job.id, "w2")]

@@ -1,0 +1,172 @@
+"""The one place where an attempt's end moves its job on.
+
+Every job state change goes through `store.states.transition` (the table); this module
+holds the decisions that call it for a running job:
+- `finish_attempt`: ends an attempt exactly once and moves its job to succeeded, failed,
+  cancelled or back to queued for a retry;
+- `mark_started`: the trainer's `started` event moves the job starting -> running;
+- `fence`: the check every worker write for an attempt makes first. A worker whose
+  attempt was ended by someone else (the reaper after a partition, a peer rank) has a
+  stale token, and its writes are refused with `Fenced`, so a trainer that ran on
+  after its attempt was given up can never change the record.
+
+How a trainer process ended is classified into an attempt outcome by the worker
+(`worker/outcome.py`); what that outcome does to the job is decided here.
+No transition error is swallowed: each decision reads the job under a row lock, so a
+refused transition is a bug and raises.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from store.dialect import is_postgres
+from store.models import Assignment, Attempt, Job, utcnow
+from store.states import (
+    A_CANCELLED,
+    A_FAILED,
+    A_HANDED_BACK,
+    A_RUNNING,
+    A_SUCCEEDED,
+    ATTEMPT_ACTIVE,
+    ATTEMPT_COUNTED,
+    CANCELLED,
+    CANCELLING,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    STARTING,
+    SUCCEEDED,
+    transition,
+)
+
+
+class Fenced(Exception):
+    """A write for an attempt that is no longer active: the writer's token is stale."""
+
+    def __init__(self, attempt_id: int, state: str | None):
+        self.attempt_id, self.state = attempt_id, state
+        super().__init__(f"attempt {attempt_id} is {state or 'gone'}: this write is refused")
+
+
+def fence(session: Session, attempt_id: int) -> Attempt:
+    """Lock the attempt's row for this transaction and check it is still active.
+
+    The lock (FOR UPDATE on PostgreSQL; SQLite's BEGIN IMMEDIATE serialises writers
+    already) makes the check hold until commit: `finish_attempt` elsewhere waits for it."""
+    q = select(Attempt).where(Attempt.id == attempt_id).execution_options(populate_existing=True)
+    if is_postgres(session):
+        q = q.with_for_update()
+    attempt = session.scalars(q).first()
+    if attempt is None or attempt.state not in ATTEMPT_ACTIVE:
+        raise Fenced(attempt_id, attempt.state if attempt is not None else None)
+    return attempt
+
+
+def _locked_job(session: Session, job_id: str) -> Job | None:
+    q = select(Job).where(Job.id == job_id).execution_options(populate_existing=True)
+    if is_postgres(session):
+        q = q.with_for_update()
+    return session.scalars(q).first()
+
+
+def counted_failures(session: Session, job_id: str) -> int:
+    """Failed or lost attempts of a job: what max_restarts is compared with."""
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Attempt)
+            .where(Attempt.job_id == job_id, Attempt.state.in_(ATTEMPT_COUNTED))
+        )
+        or 0
+    )
+
+
+def mark_started(session: Session, attempt_id: int) -> None:
+    """The trainer reported `started`: attempt running, and its job too unless a cancel
+    came first (then the job stays cancelling and the supervisor stops the trainer)."""
+    attempt = fence(session, attempt_id)
+    if attempt.state != A_RUNNING:
+        attempt.state = A_RUNNING
+    job = _locked_job(session, attempt.job_id)
+    if job is not None and job.state == STARTING and job.attempt == attempt.number:
+        transition(session, job, RUNNING, reason=f"attempt {attempt.number} started")
+
+
+def finish_attempt(
+    session: Session,
+    attempt_id: int,
+    outcome: str,
+    *,
+    exit_code: int | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    retryable: bool = True,
+) -> str | None:
+    """End an active attempt with `outcome` (an attempt state) and move its job on.
+
+    - succeeded -> job succeeded; cancelled, or any end while the job is cancelling ->
+      job cancelled (succeeded still wins if the trainer finished first);
+    - handed_back (a stopping worker) -> job queued with attempt + 1, not counted;
+    - failed with retryable=False (a deterministic error) -> job failed with `error`;
+    - lost, or failed with retryable=True -> job queued with attempt + 1 while the failed
+      and lost attempts number at most max_restarts, else failed.
+    Returns the job's state afterwards, or None if the attempt had already ended.
+    """
+    now = utcnow()
+    res = session.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt_id, Attempt.state.in_(ATTEMPT_ACTIVE))
+        .values(state=outcome, exit_code=exit_code, reason=reason, ended_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    if res.rowcount != 1:  # type: ignore[attr-defined]
+        return None
+    attempt = session.get(Attempt, attempt_id, populate_existing=True)
+    assert attempt is not None
+    # A message for a rank that never started must not start it now.
+    session.execute(
+        update(Assignment)
+        .where(Assignment.attempt_id == attempt_id, Assignment.claimed_at.is_(None))
+        .values(ended_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    job = _locked_job(session, attempt.job_id)
+    if job is None:
+        return None
+    if job.attempt != attempt.number or job.state not in (STARTING, RUNNING, CANCELLING):
+        return job.state  # an older attempt, or the API already ended the job
+    why = reason or outcome
+    if job.state == CANCELLING:
+        transition(session, job, SUCCEEDED if outcome == A_SUCCEEDED else CANCELLED, reason=why)
+    elif outcome == A_SUCCEEDED:
+        if job.state == STARTING:
+            # Finished before its `started` event was ingested: keep the history honest.
+            transition(session, job, RUNNING, reason=f"attempt {attempt.number} started")
+        transition(session, job, SUCCEEDED, reason=why)
+    elif outcome == A_CANCELLED:
+        # Only reachable for a job that is not cancelling: nothing asked for it.
+        transition(session, job, FAILED, reason=why, error=error or why)
+    elif outcome == A_HANDED_BACK:
+        _requeue(session, job, why, f"handed back: {why}")
+    elif outcome == A_FAILED and not retryable:
+        transition(session, job, FAILED, reason=why, error=error or why)
+    else:
+        n = counted_failures(session, job.id)
+        if n <= job.max_restarts:
+            _requeue(session, job, why, f"retrying after: {why}")
+        else:
+            msg = error or why
+            transition(
+                session,
+                job,
+                FAILED,
+                reason=why,
+                error=f"{msg} (gave up after {n} failed attempts, max_restarts={job.max_restarts})",
+            )
+    return job.state
+
+
+def _requeue(session: Session, job: Job, why: str, pending: str) -> None:
+    transition(session, job, QUEUED, reason=why, attempt=job.attempt + 1, pending_reason=pending)

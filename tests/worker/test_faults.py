@@ -1,0 +1,244 @@
+"""Focused regression tests for the lifecycle under faults (issue "nothing lost, nothing
+stuck"): durable ingest, fencing, the end of an attempt under store errors, liveness on
+the database's clock, the reaper after an outage, outcomes, and the watchdog."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select, update
+from worker_factories import make_job, make_worker
+
+from store.db import session_scope
+from store.lifecycle import Fenced, finish_attempt
+from store.models import Attempt, Checkpoint, Job, Metric, Worker, utcnow
+from store.paths import EVENTS_FILE, LOG_FILE, job_dir
+from store.scheduling import schedule
+from store.settings import Settings
+from store.states import A_LOST, A_SUCCEEDED
+from store.workers import heartbeat, reap_stale_workers
+from worker.events import EventRecorder
+from worker.identity import Device
+from worker.outcome import STOP_STORE_LOST, STOP_WORKER, Ending, decide
+from worker.scheduler import Scheduler
+from worker.supervisor import Claimed, Supervision, WorkerContext, retry_until
+from worker.watchdog import Watchdog
+
+
+def _settings(db_url: str, tmp_path: Path, **kw: Any) -> Settings:
+    return Settings(_env_file=None, database_url=db_url, home=tmp_path, **kw)  # type: ignore[call-arg]
+
+
+def _started(db_url: str, **job_kw: Any) -> tuple[str, int, int]:
+    """A job scheduled onto worker w1: (job id, attempt id, assignment id)."""
+    with session_scope(db_url) as s:
+        make_worker(s, "w1")
+        job = make_job(s, **job_kw)
+        (d,) = schedule(s, heartbeat_timeout_s=10)
+        attempt_id = s.scalars(select(Attempt.id).where(Attempt.job_id == job.id)).one()
+        return job.id, attempt_id, d.assignment_id
+
+
+def _line(**ev: Any) -> str:
+    return json.dumps({"time": 1.0, **ev}) + "\n"
+
+
+def test_ingest_resumes_where_the_store_stopped_and_old_events_never_move_the_job(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A store outage across the trainer's exit used to drop its last metrics and
+    checkpoints: the next attempt tailed events.jsonl from its end. Now attempt 2's
+    supervisor ingests attempt 1's unrecorded lines first (for the record: its `finished`
+    does not end attempt 2), and commits the offset with them."""
+    settings = _settings(db_url, tmp_path)
+    job_id, a1, _ = _started(db_url)
+    run_dir = job_dir(settings.storage, job_id)
+    run_dir.mkdir(parents=True)
+    events = run_dir / EVENTS_FILE
+    committed = _line(type="metric", attempt=1, step=1, name="train/loss", value=2.0)
+    unrecorded = "".join(
+        [
+            *(_line(type="metric", attempt=1, step=i, name="train/loss", value=1 / i) for i in (2, 3)),
+            _line(type="checkpoint", attempt=1, step=3, path="checkpoints/s3.pt", bytes=1, sha256="a" * 64),
+            _line(type="finished", attempt=1, step=3),
+        ]
+    )  # fmt: skip
+    events.write_text(committed + unrecorded + '{"type": "metric", "att')  # torn by the kill
+    with session_scope(db_url) as s:
+        s.execute(update(Attempt).where(Attempt.id == a1).values(events_offset=len(committed)))
+        assert finish_attempt(s, a1, A_LOST, reason="worker lost") == "queued"
+        make_worker(s, "w2")
+        (d,) = schedule(s, heartbeat_timeout_s=10)
+        a2 = s.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == 2)).one()
+        claimed = Claimed(d.assignment_id, a2.id, 2, job_id, 0, 1, {}, False)
+    ctx = WorkerContext(settings, "w2", Device("cpu", None, "cpu", None), "127.0.0.1")
+    sup = Supervision(ctx, claimed)
+    start = sup._ingest_backlog()
+    assert start == events.stat().st_size and events.read_bytes().endswith(b"\n")
+    with session_scope(db_url) as s:
+        steps = s.scalars(select(Metric.step).where(Metric.job_id == job_id)).all()
+        assert sorted(steps) == [2, 3]  # step 1 was committed before: not read again
+        ck = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).one()
+        assert (ck.path, ck.attempt) == ("checkpoints/s3.pt", 1)
+        job = s.get(Job, job_id)
+        assert job is not None and job.state == "starting"  # attempt 1's `finished` ignored
+        assert s.get(Attempt, a2.id).events_offset == start  # type: ignore[union-attr]
+    assert not sup.recorder.outcome.finished
+
+
+def test_a_stale_attempt_cannot_write(db_url: str) -> None:
+    """Fencing: once an attempt has ended (the reaper gave it up), its supervisor's writes
+    are refused and nothing of them lands."""
+    job_id, attempt_id, _ = _started(db_url)
+    with session_scope(db_url) as s:
+        finish_attempt(s, attempt_id, A_LOST, reason="reaped")
+    rec = EventRecorder(job_id, attempt_id, 1)
+    rec.add({"type": "metric", "attempt": 1, "step": 7, "name": "train/loss", "value": 1.0})
+    rec.add({"type": "finished", "attempt": 1, "step": 7})
+    with pytest.raises(Fenced), session_scope(db_url) as s:
+        rec.write(s)
+    with session_scope(db_url) as s:
+        assert s.scalar(select(func.count()).select_from(Metric)) == 0
+
+
+def test_a_job_that_finishes_before_its_started_event_is_ingested_still_succeeds(
+    db_url: str,
+) -> None:
+    """starting -> succeeded used to be refused and the refusal swallowed: the job stayed
+    `starting` forever. Now it goes through running, both recorded."""
+    job_id, attempt_id, _ = _started(db_url)
+    with session_scope(db_url) as s:
+        assert finish_attempt(s, attempt_id, A_SUCCEEDED, reason="finished") == "succeeded"
+        job = s.get(Job, job_id)
+        assert job is not None and job.started_at is not None
+
+
+def test_recording_the_end_outlasts_any_store_outage() -> None:
+    """The end of an attempt used to be given up after ~30 s of outage, wedging the worker;
+    now it is retried until the store answers (backoff capped), and a fenced answer ends
+    the wait at once."""
+    calls = {"n": 0}
+
+    def flaky() -> str:
+        calls["n"] += 1
+        if calls["n"] < 4:
+            raise ConnectionError("store down")
+        return "recorded"
+
+    assert retry_until("test", flaky) == "recorded" and calls["n"] == 4
+
+    def fenced() -> None:
+        raise Fenced(1, "lost")
+
+    with pytest.raises(Fenced):
+        retry_until("test", fenced)
+
+
+def test_a_full_disk_does_not_stop_the_end_being_recorded(sqlite_url: str, tmp_path: Path) -> None:
+    settings = _settings(sqlite_url, tmp_path)
+    job_id, attempt_id, assignment_id = _started(sqlite_url)
+    run_dir = job_dir(settings.storage, job_id)
+    (run_dir / LOG_FILE).mkdir(parents=True)  # any write to the log fails (EISDIR)
+    ctx = WorkerContext(settings, "w1", Device("cpu", None, "cpu", None), "127.0.0.1")
+    sup = Supervision(ctx, Claimed(assignment_id, attempt_id, 1, job_id, 0, 1, {}, False))
+    sup._log_line("===== the post-exit line =====\n")  # must not raise
+    sup.recorder.add({"type": "finished", "attempt": 1, "step": 3})
+    assert sup.finish(0, sup._ending(0)) == "succeeded"
+
+
+def test_outcomes_for_faults() -> None:
+    base = {"rank": 0, "worker_id": "w", "job_state": "running"}
+    # A stopping worker whose trainer had already finished reports success, not a hand-back.
+    done = decide(Ending(rc=0, stop_why=STOP_WORKER, finished=True, **base))  # type: ignore[arg-type]
+    assert done is not None and done.outcome == "succeeded"
+    # The kernel's OOM killer: failed, not retried (retrying gives the same).
+    oom = decide(Ending(rc=-signal.SIGKILL, stop_why=None, oom_killed=True, **base))  # type: ignore[arg-type]
+    assert oom is not None and (oom.outcome, oom.retryable) == ("failed", False)
+    assert oom.error is not None and oom.error.startswith("out_of_memory")
+    # A SIGKILL that was not the OOM killer is a lost attempt, retried.
+    lost = decide(Ending(rc=-signal.SIGKILL, stop_why=None, **base))  # type: ignore[arg-type]
+    assert lost is not None and (lost.outcome, lost.retryable) == ("lost", True)
+    # Stopped because the store was out of reach: handed back, not counted.
+    cut = decide(Ending(rc=75, stop_why=STOP_STORE_LOST, stopped=True, **base))  # type: ignore[arg-type]
+    assert cut is not None and cut.outcome == "handed_back"
+
+
+@pytest.mark.postgres
+def test_liveness_uses_the_database_clock(
+    pg_fresh_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heartbeats used to be stamped with each worker host's clock: 18 s of skew reaped a
+    live worker. Now both the stamp and the reaper's cutoff come from the database."""
+    import store.models
+
+    with session_scope(pg_fresh_url) as s:
+        make_worker(s, "w1")
+    skewed = utcnow() - timedelta(seconds=120)  # this host's clock is two minutes late
+    monkeypatch.setattr(store.models, "utcnow", lambda: skewed)
+    with session_scope(pg_fresh_url) as s:
+        assert heartbeat(s, "w1") == "idle"
+    with session_scope(pg_fresh_url) as s:
+        assert reap_stale_workers(s, 20) == []
+        w = s.get(Worker, "w1")
+        assert w is not None and abs((w.last_heartbeat - utcnow()).total_seconds()) < 5
+
+
+def test_reaper_waits_a_full_timeout_after_the_store_returns(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No heartbeat can be written during an outage: the first reaper pass after it used to
+    declare busy workers lost. The reaper now acts only once the store has answered the
+    scheduler for a full heartbeat timeout."""
+    settings = _settings(sqlite_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    _started(sqlite_url)
+    with session_scope(sqlite_url) as s:  # the outage: w1 could not heartbeat for a minute
+        s.execute(update(Worker).values(last_heartbeat=utcnow() - timedelta(seconds=60)))
+    sched = Scheduler(settings)
+    monkeypatch.setattr(sched, "_send", lambda *_: True)
+    sched.tick()  # the store answers again
+    with session_scope(sqlite_url) as s:
+        assert s.get(Worker, "w1").state == "busy"  # type: ignore[union-attr]
+    with session_scope(sqlite_url) as s:  # w1 heartbeats as soon as it can
+        heartbeat(s, "w1")
+    time.sleep(0.6)
+    sched.tick()
+    with session_scope(sqlite_url) as s:
+        assert s.get(Worker, "w1").state == "busy"  # type: ignore[union-attr]
+    time.sleep(0.6)  # now w1 really is silent for longer than the timeout
+    sched.tick()
+    with session_scope(sqlite_url) as s:
+        assert s.get(Worker, "w1").state == "lost"  # type: ignore[union-attr]
+
+
+def test_watchdog_refreshes_the_lease_only_while_it_can_vouch(tmp_path: Path) -> None:
+    settings = _settings(f"sqlite:///{tmp_path / 'x.db'}", tmp_path, heartbeat_timeout_s=10.0)
+    ctx = WorkerContext(settings, "w1", Device("cpu", None, "cpu", None), "127.0.0.1")
+    dog = Watchdog(ctx)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+        )
+        ctx.trainer = proc
+        now = time.monotonic()
+        ctx.store_ok_at = now
+        os.utime(dog.lease_file, (0, 0))
+        dog.check(now)
+        assert time.time() - dog.lease_file.stat().st_mtime < 5  # refreshed
+        os.utime(dog.lease_file, (0, 0))
+        dog.check(now + 3.0)  # store silent 0.3 T: no refresh, trainer left alone
+        assert dog.lease_file.stat().st_mtime == 0 and proc.poll() is None
+        dog.check(now + 4.1)  # 0.41 T: SIGTERM, flagged as a store-lost stop
+        assert proc.wait(timeout=5) == -signal.SIGTERM and ctx.store_lost_stop.is_set()
+        ctx.store_ok_at, ctx.loop_beat = time.monotonic(), time.monotonic() - 3.0
+        assert dog.loop_stalled(time.monotonic())  # a stuck supervision loop vouches for nothing
+    finally:
+        dog.stop()

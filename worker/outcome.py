@@ -1,0 +1,124 @@
+"""How a trainer process ended, classified into an attempt outcome (pure: no store, no
+processes). What an outcome does to the job is `store.lifecycle.finish_attempt`'s call.
+
+Rules, first match wins:
+- cancel requested -> cancelled (succeeded still wins if the trainer finished first);
+- rank 0's `finished` (or exit 0) -> succeeded, even if the worker was stopping by then;
+- the worker stopping, or stopping its trainer after losing the store -> handed back;
+- an `error` event -> failed with "kind: message" (nonfinite_loss, data and out_of_memory
+  are deterministic, so the job fails at once; other kinds are retried);
+- a SIGTERM from outside (a `stopped` event, exit 75) -> handed back;
+- exit 2 (bad spec), 3 (nonfinite loss), 4 (out of memory) -> failed, not retried;
+- SIGKILL by the kernel's OOM killer -> failed as out_of_memory, not retried;
+- any other signal -> lost, retried from the latest checkpoint; any other code -> failed,
+  retried.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from store.states import A_CANCELLED, A_FAILED, A_HANDED_BACK, A_LOST, A_SUCCEEDED, CANCELLING
+from trainer import exitcodes
+
+DETERMINISTIC_ERRORS = frozenset({"nonfinite_loss", "data", "out_of_memory"})
+
+# Why the worker itself stopped its trainer (None: it exited on its own).
+STOP_CANCEL, STOP_WORKER, STOP_STORE_LOST = "cancel", "stopping", "store_lost"
+
+
+class Decision(NamedTuple):
+    outcome: str  # an attempt state
+    reason: str
+    error: str | None
+    retryable: bool
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the supervisor knows when its trainer has exited."""
+
+    rc: int
+    rank: int
+    worker_id: str
+    stop_why: str | None
+    job_state: str | None
+    finished: bool = False
+    error: dict[str, Any] | None = None
+    stopped: bool = False
+    last_step: int | None = None
+    oom_killed: bool = False
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def decide(e: Ending) -> Decision | None:
+    """The attempt's outcome, or None when another party decides (a rank other than 0
+    whose trainer finished: rank 0 has the events)."""
+    step = f" at step {e.last_step}" if e.last_step is not None else ""
+    if e.stop_why == STOP_CANCEL or e.job_state == CANCELLING:
+        if e.rc == exitcodes.OK and e.finished:
+            return Decision(A_SUCCEEDED, "finished before the cancel arrived", None, False)
+        return Decision(A_CANCELLED, f"cancelled{step}", None, False)
+    # Rank 0's `finished` comes after the final checkpoint and weights are written: the job
+    # is done even if torchrun's exit code says a rank stumbled while exiting, and even if
+    # the worker began to stop after it.
+    if e.rc == exitcodes.OK or (e.finished and e.error is None):
+        return Decision(A_SUCCEEDED, "finished", None, False) if e.rank == 0 else None
+    if e.stop_why == STOP_WORKER:
+        why = f"worker {e.worker_id} stopping; trainer {describe_exit(e.rc)}{step}"
+        return Decision(A_HANDED_BACK, why, None, False)
+    if e.stop_why == STOP_STORE_LOST:
+        why = f"worker {e.worker_id} lost the store; trainer stopped{step} so that no other attempt overlaps it"
+        return Decision(A_HANDED_BACK, why, None, False)
+    if e.error is not None:
+        kind = str(e.error.get("kind", "internal"))
+        msg = f"{kind}: {e.error.get('message', '')}".strip()
+        return Decision(A_FAILED, msg, msg, kind not in DETERMINISTIC_ERRORS)
+    if e.stopped or e.rc == exitcodes.PREEMPTED:
+        return Decision(
+            A_HANDED_BACK, f"trainer preempted by a SIGTERM from outside{step}", None, False
+        )
+    if e.rc == exitcodes.BAD_SPEC:
+        msg = "the trainer refused the spec or its arguments (exit 2); see the job log"
+        return Decision(A_FAILED, msg, msg, False)
+    if e.rc in (exitcodes.NONFINITE_LOSS, exitcodes.OUT_OF_MEMORY):
+        msg = f"{exitcodes.NAMES[e.rc]} (exit {e.rc}); see the job log"
+        return Decision(A_FAILED, msg, msg, False)
+    if e.oom_killed and e.rc == -signal.SIGKILL:
+        msg = (
+            f"out_of_memory: rank {e.rank} trainer killed by the kernel's OOM killer{step}; "
+            "use a smaller model or batch, or a host with more memory"
+        )
+        return Decision(A_FAILED, msg, msg, False)
+    if e.rc < 0:
+        return Decision(A_LOST, f"rank {e.rank} trainer {describe_exit(e.rc)}{step}", None, True)
+    msg = f"rank {e.rank} trainer {describe_exit(e.rc)}{step}; see the job log"
+    return Decision(A_FAILED, msg, msg, True)
+
+
+VMSTAT = Path("/proc/vmstat")
+
+
+def oom_kills(vmstat: Path = VMSTAT) -> int | None:
+    """The kernel's count of OOM kills (Linux 4.13+), or None where it cannot be read.
+    A trainer that died of SIGKILL while this count rose was the OOM killer's victim (the
+    count is host-wide: another process's OOM kill at the same moment would be taken for
+    the trainer's, which only costs that job its retry)."""
+    try:
+        for line in vmstat.read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
