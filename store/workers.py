@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from store.attempts import (
     A_HANDED_BACK,
+    A_LOST,
     ATTEMPT_ACTIVE,
     finish_attempt,
     hand_back_unclaimed,
@@ -155,6 +156,34 @@ def reap_stale_workers(
         )
         reaped.append((wid, jobs))
     return reaped
+
+
+def lose_unsupervised_attempts(session: Session) -> list[str]:
+    """Claimed ranks of active attempts that their worker no longer holds (it went idle or
+    took other work without recording the end: a bug, or a crash between the two writes).
+    Nobody will end those attempts, so they are lost now and the job retried, rather than
+    left running forever. Returns the affected job ids."""
+    rows = session.execute(
+        select(Assignment.attempt_id, Assignment.job_id, Assignment.worker_id)
+        .join(Attempt, Attempt.id == Assignment.attempt_id)
+        .join(Worker, Worker.id == Assignment.worker_id)
+        .where(
+            Assignment.claimed_at.is_not(None),
+            Assignment.ended_at.is_(None),
+            Attempt.state.in_(ATTEMPT_ACTIVE),
+            or_(
+                Worker.current_assignment_id.is_(None),
+                Worker.current_assignment_id != Assignment.id,
+            ),
+            Worker.state.in_(LIVE),
+        )
+    ).all()
+    jobs = []
+    for attempt_id, job_id, wid in rows:
+        why = f"worker {wid} stopped supervising it without recording its end"
+        if finish_attempt(session, attempt_id, A_LOST, reason=why) is not None:
+            jobs.append(job_id)
+    return jobs
 
 
 def release_orphaned_workers(session: Session, grace_s: float = 10.0) -> list[str]:

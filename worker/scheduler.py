@@ -18,7 +18,12 @@ from store.db import session_scope
 from store.models import utcnow
 from store.scheduling import RESERVE_AFTER_S, Dispatch, resend_due, schedule
 from store.settings import Settings
-from store.workers import expire_unclaimed, reap_stale_workers, release_orphaned_workers
+from store.workers import (
+    expire_unclaimed,
+    lose_unsupervised_attempts,
+    reap_stale_workers,
+    release_orphaned_workers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +95,15 @@ class Scheduler:
             return 0
         with self._lock, session_scope(self.settings.db_url) as s:
             reaped = reap_stale_workers(s, self.settings.heartbeat_timeout_s)
+            unsupervised = lose_unsupervised_attempts(s)
             freed = release_orphaned_workers(s)
+        if unsupervised:
+            log.warning("attempts nobody supervised any more, lost: jobs %s", unsupervised)
         for wid, jobs in reaped:
             log.warning("worker %s lost (stale heartbeat); jobs re-queued or failed: %s", wid, jobs)
         for wid in freed:
             log.info("worker %s released (its assignment was over)", wid)
-        return len(reaped) + len(freed)
+        return len(reaped) + len(unsupervised) + len(freed)
 
     def reconcile(self) -> int:
         older = utcnow() - timedelta(seconds=RESEND_AFTER_S)

@@ -16,6 +16,7 @@ Faults, and what this module does about them:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import exc, select
 
 from store.attempts import (
     A_CANCELLED,
@@ -75,6 +76,9 @@ FLUSH_EVENTS = 500
 STOP_GRACE_MIN_S = 30.0  # a stopping worker gives its trainer this long to checkpoint
 PEER_DECIDES_S = 5.0  # a failed non-zero rank lets rank 0 (which has the events) decide first
 RETRY_MAX_WAIT_S = 5.0
+# What a store outage raises. Anything else is a bug: it propagates (the worker releases
+# itself and the reaper ends the attempt it no longer supervises) rather than retrying forever.
+TRANSIENT = (exc.OperationalError, exc.InterfaceError, exc.TimeoutError, OSError)
 
 T = TypeVar("T")
 
@@ -125,15 +129,14 @@ def retry_until(
     give_up: Callable[[], bool] = lambda: False,
 ) -> T:
     """Store writes that must not be lost (an attempt's end) are retried with backoff until
-    they succeed, however long the outage. `Fenced` is an answer, not a fault: it is raised
-    at once. `give_up` ends the wait early by re-raising the last error."""
+    they succeed, however long the outage. `Fenced` is an answer, not a fault, and other
+    errors are bugs: both are raised at once. `give_up` ends the wait early by re-raising
+    the last error."""
     wait = 0.2
     while True:
         try:
             return fn()
-        except Fenced:
-            raise
-        except Exception as e:
+        except TRANSIENT as e:
             if give_up():
                 raise
             log.warning("%s failed (%s); retrying in %.1fs", what, e, wait)
@@ -196,8 +199,11 @@ class Supervision:
         attempt's own events begin. Those earlier lines are for the record only."""
         with contextlib.suppress(FileNotFoundError), open(self.events_path, "rb+") as f:
             # A line torn by a kill or a full disk would swallow the new trainer's first line.
-            if f.seek(0, os.SEEK_END) > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
-                f.write(b"\n")
+            size = f.seek(0, os.SEEK_END)
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
         start = self._tx(lambda s: ingest_start(s, self.c.job_id))
         backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None)
         tail = EventTail(self.events_path, start)
@@ -490,6 +496,13 @@ class Supervision:
                 A_LOST, f"rendezvous: rank 0's endpoint not published within {t:g}s", None, True
             )
         return spec_path, resume, master, start
+
+    def _launch_failed(self, e: Exception) -> Decision:
+        why = f"launch failed on worker {self.ctx.worker_id}: {e}"
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            # The storage, not the job: hand it back (not counted) to retry when there is room.
+            return Decision(A_HANDED_BACK, f"storage full: {why}", None, False)
+        return Decision(A_FAILED, why, None, True)
 
     def run(self) -> None:
         if self.c.cancelling:

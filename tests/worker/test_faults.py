@@ -142,6 +142,32 @@ def test_recording_the_end_outlasts_any_store_outage() -> None:
     with pytest.raises(Fenced):
         retry_until("test", fenced)
 
+    def bug() -> None:
+        calls["n"] += 1
+        raise ValueError("a bug, not an outage")
+
+    calls["n"] = 0
+    with pytest.raises(ValueError):  # never retried forever
+        retry_until("test", bug)
+    assert calls["n"] == 1
+
+
+def test_an_attempt_its_worker_stopped_supervising_is_lost_not_stuck(db_url: str) -> None:
+    """If a worker goes idle without recording its attempt's end (a bug, or a crash between
+    the two writes), nobody would ever end that attempt: the reaper now does."""
+    from store.attempts import claim_assignment
+    from store.workers import lose_unsupervised_attempts, release_worker
+
+    job_id, _, assignment_id = _started(db_url)
+    with session_scope(db_url) as s:
+        assert claim_assignment(s, assignment_id, "w1") is not None
+        assert lose_unsupervised_attempts(s) == []  # supervised: left alone
+        assert release_worker(s, "w1", assignment_id)  # gone idle, end never recorded
+    with session_scope(db_url) as s:
+        assert lose_unsupervised_attempts(s) == [job_id]
+        job = s.get(Job, job_id)
+        assert job is not None and job.state == "queued" and job.attempt == 2
+
 
 def test_a_full_disk_does_not_stop_the_end_being_recorded(sqlite_url: str, tmp_path: Path) -> None:
     settings = _settings(sqlite_url, tmp_path)
