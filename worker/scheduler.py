@@ -114,8 +114,10 @@ class Scheduler:
                 log.warning(
                     "handed back %d attempts assigned to workers that went away", len(abandoned)
                 )
-            with session_scope(self.settings.db_url) as s:
-                expired = expire_unclaimed(s, self.settings.claim_timeout_s)
+            expired = []
+            if self.reaper_ready():  # after an outage, nobody could claim either
+                with session_scope(self.settings.db_url) as s:
+                    expired = expire_unclaimed(s, self.settings.claim_timeout_s)
             for job_id, wid in expired:
                 log.warning(
                     "worker %s did not claim job %s within %gs: handed back, worker marked lost",

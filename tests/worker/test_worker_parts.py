@@ -4,6 +4,7 @@ of workers that went away handed back)."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -119,8 +120,17 @@ def test_claim_deadline_gives_the_job_to_another_worker(sqlite_url: str, tmp_pat
     job `starting` forever while the reconciler re-sent. Past the claim deadline the attempt
     is handed back (not counted), the job starts on another worker, and the silent worker
     is lost until it registers again."""
-    settings = Settings(_env_file=None, database_url=sqlite_url, home=tmp_path, claim_timeout_s=5)  # type: ignore[call-arg]
+    settings = Settings(  # type: ignore[call-arg]
+        _env_file=None,
+        database_url=sqlite_url,
+        home=tmp_path,
+        claim_timeout_s=5,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=0.5,
+    )
     sched = _Sent(settings)
+    sched.tick()  # the deadline applies once the store has answered for a heartbeat timeout
+    time.sleep(0.6)
     with session_scope(sqlite_url) as s:
         make_worker(s, "w1")
         job = make_job(s, name="a")
