@@ -44,7 +44,10 @@ class Watchdog:
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
         self.t = ctx.settings.heartbeat_timeout_s
-        self._dir = Path(tempfile.mkdtemp(prefix="torchyard-lease-"))
+        # Under the worker's home, not /tmp: what a SIGKILLed worker leaves stays with it.
+        leases = ctx.settings.home.resolve() / "leases"
+        leases.mkdir(parents=True, exist_ok=True)
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=leases))
         self.lease_file = self._dir / "trainer.lease"
         self.lease_file.touch()
         self._stop = threading.Event()
