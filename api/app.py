@@ -17,9 +17,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api import errors
 from api.deps import TokenCache
-from api.middleware import BodyLimit, PrometheusMetrics
+from api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
 from api.routers import checkpoints, health, job_data, jobs, workers
-from store.db import make_engine, session_factory
+from store.db import make_engine
 from store.inventory import job_counts, worker_counts
 from store.settings import Settings, get_settings
 from trainer.spec import JobSpec
@@ -27,6 +27,9 @@ from trainer.spec import JobSpec
 log = logging.getLogger(__name__)
 
 FEED_POLL_S = 0.5
+# Requests waiting for a store thread, per thread, before new ones are shed with 503: a
+# store call takes a few ms, so this is well under a second of queue.
+SHED_WAITING_PER_THREAD = 64
 
 
 class _StoreCollector(Collector):
@@ -71,16 +74,21 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
-def _read_sessions(url: str) -> sessionmaker[Session]:
-    """Sessions for single-statement reads. On PostgreSQL in autocommit: no BEGIN and no
-    ROLLBACK round trips (one statement is one snapshot anyway). SQLite keeps the usual
-    sessions (its engine opens every transaction itself)."""
-    if not url.startswith("postgresql"):
-        return session_factory(url)
-    # No pre-ping: it is a round trip per request. A connection that died is found by the
-    # statement itself, which invalidates the pool; that request gets a 503, the next a fresh one.
-    engine = make_engine(url, pre_ping=False)
-    return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+def _sessions(settings: Settings) -> tuple[sessionmaker[Session], sessionmaker[Session]]:
+    """(sessions for writes, sessions for reads). Both wait at most TORCHYARD_DB_POOL_TIMEOUT_S
+    for a connection (then 503, never a hang). Reads never block writers: on SQLite their
+    transactions are deferred (no write lock); on PostgreSQL they run in autocommit, with no
+    BEGIN/ROLLBACK round trips (one statement is one snapshot anyway) and no pre-ping (a
+    round trip per request: a dead connection is found by the statement itself, which
+    invalidates the pool; that request gets a 503, the next a fresh connection)."""
+    url, timeout = settings.db_url, settings.db_pool_timeout_s
+    writes = sessionmaker(make_engine(url, pool_timeout=timeout), expire_on_commit=False)
+    if url.startswith("postgresql"):
+        engine = make_engine(url, pre_ping=False, pool_timeout=timeout)
+        reads = sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+    else:
+        reads = sessionmaker(make_engine(url, read_only=True, pool_timeout=timeout))
+    return writes, reads
 
 
 @contextlib.asynccontextmanager
@@ -103,8 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         '`{"error": {"code", "message", "details"}}`.',
     )
     app.state.settings = settings
-    app.state.sessions = session_factory(settings.db_url)
-    app.state.read_sessions = _read_sessions(settings.db_url)
+    app.state.sessions, app.state.read_sessions = _sessions(settings)
     app.state.token_cache = TokenCache()
     app.state.feed_poll_s = FEED_POLL_S
     registry = CollectorRegistry()
@@ -116,6 +123,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
     # Outermost first: the size limit runs before anything reads a body.
     app.add_middleware(PrometheusMetrics, registry=registry)
+    app.add_middleware(ShedLoad, max_waiting=SHED_WAITING_PER_THREAD * settings.api_threads)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -71,8 +71,18 @@ def get_settings(request: Request) -> Settings:
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
-    """A session for one request; nothing is committed unless the route commits."""
+    """A session for a route that writes; nothing is committed unless the route commits."""
     factory: sessionmaker[Session] = request.app.state.sessions
+    session = factory()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+async def get_read_session(request: Request) -> AsyncIterator[Session]:
+    """A session for a route that only reads: it never takes SQLite's write lock."""
+    factory: sessionmaker[Session] = request.app.state.read_sessions
     session = factory()
     try:
         yield session
@@ -101,7 +111,7 @@ async def current_user(
     cache: TokenCache = request.app.state.token_cache
     principal = cache.get(key)
     if principal is None:
-        principal = await run_in_threadpool(_lookup, request.app.state.sessions, token)
+        principal = await run_in_threadpool(_lookup, request.app.state.read_sessions, token)
         if principal is None:
             raise _unauthorized("unknown or revoked token")
         cache.put(key, principal)
@@ -109,5 +119,8 @@ async def current_user(
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the session is closed when the route returns, before the response is
+# sent, so a slow or stalled client never holds a connection or a transaction.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 CurrentUser = Annotated[Principal, Depends(current_user)]

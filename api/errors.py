@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.schemas import ErrorBody
@@ -123,9 +124,26 @@ async def _illegal_transition(_request: Request, exc: Exception) -> JSONResponse
     )
 
 
+RETRY_AFTER_S = 2
+
+
 async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
     log.warning("database error: %s", exc)
-    return error_response(503, "the database is unavailable; retry shortly")
+    return error_response(
+        503,
+        "the database is unavailable; retry shortly",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _pool_exhausted(_request: Request, exc: Exception) -> JSONResponse:
+    log.warning("no database connection free: %s", exc)
+    return error_response(
+        503,
+        "the server is busy (no database connection free); retry shortly",
+        code="busy",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
@@ -140,6 +158,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(IllegalTransition, _illegal_transition)
     app.add_exception_handler(OperationalError, _database_down)
     app.add_exception_handler(InterfaceError, _database_down)
+    app.add_exception_handler(PoolTimeout, _pool_exhausted)
     app.add_exception_handler(Exception, _unexpected)
 
 

@@ -1,5 +1,6 @@
 """Pure ASGI middleware (cheap on the hot path): a request-body size limit answered with
-413, and Prometheus request counters and latency histograms per route template."""
+413, a load shedder that answers 503 with Retry-After when the store-call threads are
+swamped, and Prometheus request counters and latency histograms per route template."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import time
 from typing import Any
 
+import anyio.to_thread
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +29,53 @@ def _too_large_body(limit: int) -> bytes:
     ).encode()
 
 
+async def _send_json(
+    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]]
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *extra,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class ShedLoad:
+    """Every store call runs on a small thread pool; when more requests already wait for a
+    thread than it can serve in about a second, a new one gets 503 with Retry-After at once
+    instead of queueing without bound (a fast no, never a hang). /healthz is never shed."""
+
+    BODY = json.dumps(
+        {
+            "error": {
+                "code": "busy",
+                "message": "the server is busy; retry shortly",
+                "details": None,
+            }
+        }
+    ).encode()
+
+    def __init__(self, app: ASGIApp, max_waiting: int):
+        self.app, self.max_waiting = app, max_waiting
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope.get("path") != "/healthz"
+            and anyio.to_thread.current_default_thread_limiter().statistics().tasks_waiting
+            >= self.max_waiting
+        ):
+            await _send_json(send, 503, self.BODY, [(b"retry-after", b"1")])
+            return
+        await self.app(scope, receive, send)
+
+
 class BodyLimit:
     """413 for a declared Content-Length over the limit before reading anything, and for
     a streamed (chunked) body as soon as it passes the limit."""
@@ -36,18 +85,7 @@ class BodyLimit:
 
     async def _reject(self, send: Send) -> None:
         body = _too_large_body(self.max_bytes)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, 413, body, [(b"connection", b"close")])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

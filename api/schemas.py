@@ -106,6 +106,12 @@ class Series(BaseModel):
 
 class MetricsOut(BaseModel):
     series: dict[str, Series]
+    next_after_step: int | None = Field(
+        default=None,
+        description="without max_points only: the curves were cut at this step (at most "
+        "TORCHYARD_METRICS_PAGE_POINTS points each); ask again with after_step set to it. "
+        "Absent when they are complete.",
+    )
 
 
 class LogChunk(BaseModel):

@@ -227,16 +227,25 @@ class Client:
         max_points: int | None = None,
     ) -> dict[str, dict[str, list]]:
         """{name: {"steps": [...], "values": [...] (, "min", "max")}}; several names are
-        fetched one request each and merged."""
+        fetched one request each and merged. Raw points (no `max_points`) come from the
+        server in pages: every page is fetched and joined."""
         names = [name] if isinstance(name, str) else list(name or [None])
         series: dict[str, dict[str, list]] = {}
         for n in names:
-            body = self._json(
-                "GET",
-                f"/v1/jobs/{_seg(job_id)}/metrics",
-                params={"name": n, "after_step": after_step, "max_points": max_points},
-            )
-            series.update(body.get("series", {}))
+            after = after_step
+            while True:
+                body = self._json(
+                    "GET",
+                    f"/v1/jobs/{_seg(job_id)}/metrics",
+                    params={"name": n, "after_step": after, "max_points": max_points},
+                )
+                for k, page in body.get("series", {}).items():
+                    got = series.setdefault(k, {key: [] for key in page})
+                    for key, vals in page.items():
+                        got.setdefault(key, []).extend(vals)
+                after = body.get("next_after_step")
+                if after is None:
+                    break
         return series
 
     def logs(self, job_id: str, *, offset: int = 0, limit: int | None = None) -> dict:

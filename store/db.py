@@ -24,15 +24,27 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def make_engine(url: str, *, pre_ping: bool = True) -> Engine:
+def make_engine(
+    url: str, *, pre_ping: bool = True, read_only: bool = False, pool_timeout: float = 30.0
+) -> Engine:
+    """`read_only`: for sessions that only read. On SQLite their transactions are deferred
+    (a WAL snapshot that never takes the write lock, so a slow reader cannot stall a
+    writer); writers' are BEGIN IMMEDIATE (they queue on the busy timeout instead of
+    failing with "locked" half-way through). `pool_timeout`: seconds to wait for a pooled
+    connection before sqlalchemy.exc.TimeoutError (the API answers 503)."""
     if url.startswith("sqlite"):
         path = url.split(":///", 1)[1] if ":///" in url else ""
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            pool_timeout=pool_timeout,
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
         # Let SQLAlchemy, not pysqlite, open transactions, so BEGIN IMMEDIATE works.
-        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+        begin = "BEGIN" if read_only else "BEGIN IMMEDIATE"
+        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(begin))
 
         @event.listens_for(engine, "connect")
         def _no_autobegin(dbapi_conn: Any, _record: Any) -> None:
@@ -44,6 +56,7 @@ def make_engine(url: str, *, pre_ping: bool = True) -> Engine:
         pool_pre_ping=pre_ping,
         pool_size=10,
         max_overflow=20,
+        pool_timeout=pool_timeout,
         connect_args=PG_CONNECT_ARGS,
     )
 

@@ -3,6 +3,7 @@ the loss-curve routes."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from typing import Any
 
@@ -189,12 +190,15 @@ def latest_metrics(session: Session, job_id: str) -> dict[str, dict[str, Any]]:
     return {name: {"step": int(step), "value": value} for name, step, value in rows}
 
 
-def _raw_series(session: Session, job_id: str, name: str, after_step: int) -> dict[str, list[Any]]:
-    rows = session.execute(
+def _raw_series(
+    session: Session, job_id: str, name: str, after_step: int, limit: int | None = None
+) -> dict[str, list[Any]]:
+    q = (
         select(Metric.step, Metric.value)
         .where(Metric.job_id == job_id, Metric.name == name, Metric.step > after_step)
         .order_by(Metric.step)
-    ).all()
+    )
+    rows = session.execute(q if limit is None else q.limit(limit)).all()
     return {"steps": [int(r[0]) for r in rows], "values": [r[1] for r in rows]}
 
 
@@ -265,6 +269,31 @@ def query_series(
         else:
             out[name] = _downsampled_series(session, job_id, name, after, max_points)
     return out
+
+
+def query_page(
+    session: Session,
+    job_id: str,
+    *,
+    names: list[str] | None = None,
+    after_step: int | None = None,
+    limit: int,
+) -> tuple[dict[str, dict[str, list[Any]]], int | None]:
+    """Raw curves, at most `limit` points per curve, and the step to page on from (pass it
+    back as `after_step`), None when every curve is complete. All curves are cut at the
+    same step, so paging returns each point exactly once."""
+    wanted = names if names else metric_names(session, job_id)
+    after = -(2**62) if after_step is None else after_step
+    out = {n: _raw_series(session, job_id, n, after, limit + 1) for n in wanted}
+    cut = min(
+        (c["steps"][limit - 1] for c in out.values() if len(c["steps"]) > limit), default=None
+    )
+    if cut is None:
+        return out, None
+    for c in out.values():
+        keep = bisect.bisect_right(c["steps"], cut)
+        c["steps"], c["values"] = c["steps"][:keep], c["values"][:keep]
+    return out, cut
 
 
 def rebuild_blocks(session: Session, job_id: str) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response
 
-from api.deps import CurrentUser, SessionDep, SettingsDep
+from api.deps import CurrentUser, ReadSessionDep, SettingsDep
 from api.errors import ApiError, not_found, responses
 from api.files import file_response
 from api.schemas import CheckpointList, CheckpointOut
@@ -29,7 +29,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])
     responses=responses(401, 404, 503),
 )
 def list_checkpoints_route(
-    job_id: str, user: CurrentUser, session: SessionDep, settings: SettingsDep
+    job_id: str, user: CurrentUser, session: ReadSessionDep, settings: SettingsDep
 ) -> CheckpointList:
     if get_job(session, user.viewer, job_id) is None:
         raise not_found()
@@ -81,7 +81,7 @@ def download_checkpoint(
     job_id: str,
     checkpoint: str,
     user: CurrentUser,
-    session: SessionDep,
+    session: ReadSessionDep,
     settings: SettingsDep,
     kind: Annotated[Literal["resume", "weights"], Query()] = "resume",
     range_: Annotated[str | None, Header(alias="Range", max_length=200)] = None,
@@ -106,13 +106,21 @@ def download_checkpoint(
             404, "checkpoint file refused: its path leaves the job's directory", code="file_refused"
         ) from None
     except OSError:
-        raise ApiError(404, "checkpoint file is no longer on disk", code="file_gone") from None
+        raise _gone() from None
     name = f"{job_id}-{PurePosixPath(row.path).name}"
-    return file_response(
-        path,
-        etag=f'"{row.sha256}"',
-        filename=name,
-        range_header=range_,
-        if_range=if_range,
-        if_none_match=if_none_match,
-    )
+    try:
+        return file_response(
+            path,
+            etag=f'"{row.sha256}"',
+            filename=name,
+            range_header=range_,
+            if_range=if_range,
+            if_none_match=if_none_match,
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        # keep_last pruned it between the check above and the open: the same answer.
+        raise _gone() from None
+
+
+def _gone() -> ApiError:
+    return ApiError(404, "checkpoint file is no longer on disk", code="file_gone")

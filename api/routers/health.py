@@ -57,7 +57,7 @@ async def _check(fn: object, *args: object) -> bool:
 )
 async def readyz(request: Request) -> Response:
     db, br = await asyncio.gather(
-        _check(_db_ok, request.app.state.sessions),
+        _check(_db_ok, request.app.state.read_sessions),
         _check(broker.broker_ok, request.app.state.settings, 1.0),
     )
     if db and br:

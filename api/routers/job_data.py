@@ -14,12 +14,12 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentUser, Principal, SessionDep, SettingsDep
+from api.deps import CurrentUser, Principal, ReadSessionDep, SettingsDep
 from api.errors import not_found, responses, validation_error
 from api.schemas import LogChunk, MetricsOut, Series
 from store.feed import BadFeedCursor, FeedCursor, FeedItem, FeedPage, poll
 from store.jobs import get_job
-from store.metrics import query_series
+from store.metrics import query_page, query_series
 from store.paths import LOG_FILE, job_dir, resolve_inside
 from store.states import TERMINAL
 
@@ -38,14 +38,17 @@ KEEPALIVE_S = 15.0
         "`{series: {name: {steps, values}}}`, steps ascending. `name` repeats or is "
         "comma-separated (default: every metric); `after_step` returns only later points "
         "(for polling); `max_points` downsamples each curve to at most that many buckets of "
-        "steps, each giving its last point plus the bucket's `min` and `max`, so spikes show."
+        "steps, each giving its last point plus the bucket's `min` and `max`, so spikes show. "
+        "Without `max_points` the raw points come in pages of at most "
+        "TORCHYARD_METRICS_PAGE_POINTS per curve: follow `next_after_step` as `after_step`."
     ),
     responses=responses(401, 404, 422, 503),
 )
 def get_metrics(
     job_id: str,
     user: CurrentUser,
-    session: SessionDep,
+    session: ReadSessionDep,
+    settings: SettingsDep,
     name: Annotated[list[str] | None, Query(description="metric name(s), e.g. train/loss")] = None,
     after_step: Annotated[int | None, Query(ge=-(2**62), le=2**62)] = None,
     max_points: Annotated[int | None, Query(ge=1, le=MAX_POINTS_LIMIT)] = None,
@@ -56,14 +59,19 @@ def get_metrics(
     too_long = [n for n in names if len(n) > 100]
     if too_long:
         raise validation_error([("name", "metric names are at most 100 characters")])
-    series = query_series(
-        session,
-        job_id,
-        names=list(dict.fromkeys(names)) or None,
-        after_step=after_step,
-        max_points=max_points,
+    wanted = list(dict.fromkeys(names)) or None
+    if max_points is not None:
+        series = query_series(
+            session, job_id, names=wanted, after_step=after_step, max_points=max_points
+        )
+        return MetricsOut(series={k: Series(**v) for k, v in series.items()})
+    # Raw points come in pages: a million-point curve is never one response.
+    series, next_after = query_page(
+        session, job_id, names=wanted, after_step=after_step, limit=settings.metrics_page_points
     )
-    return MetricsOut(series={k: Series(**v) for k, v in series.items()})
+    return MetricsOut(
+        series={k: Series(**v) for k, v in series.items()}, next_after_step=next_after
+    )
 
 
 def _utf8_cut(chunk: bytes) -> int:
@@ -91,7 +99,7 @@ def _utf8_cut(chunk: bytes) -> int:
 def get_logs(
     job_id: str,
     user: CurrentUser,
-    session: SessionDep,
+    session: ReadSessionDep,
     settings: SettingsDep,
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     limit: Annotated[int, Query(ge=1, le=4 * 1024 * 1024)] = 256 * 1024,
@@ -186,7 +194,7 @@ async def job_events(
     ] = None,
     last_event_id: Annotated[str | None, Query(max_length=100)] = None,
 ) -> StreamingResponse:
-    factory = request.app.state.sessions
+    factory = request.app.state.read_sessions
     try:
         cursor = FeedCursor.parse(last_event_id_header or last_event_id)
     except BadFeedCursor as e:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentUser, Principal, SessionDep, SettingsDep
+from api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
 from api.errors import ApiError, not_found, responses, validation_error
 from api.schemas import JobList, JobOut
 from api.views import job_from_snapshot, job_out, job_summary
@@ -151,7 +151,7 @@ async def submit_job(
 )
 def list_jobs_route(
     user: CurrentUser,
-    session: SessionDep,
+    session: ReadSessionDep,
     state: Annotated[
         list[str] | None,
         Query(description="only jobs in these states (repeat, or comma-separated)"),

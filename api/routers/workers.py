@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import CurrentUser, SessionDep
+from api.deps import CurrentUser, ReadSessionDep
 from api.errors import responses
 from api.schemas import WorkerList, WorkerOut
 from store.inventory import list_workers
@@ -20,7 +20,7 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"])
     "last heartbeat (`next_cursor` is always null).",
     responses=responses(401, 503),
 )
-def list_workers_route(user: CurrentUser, session: SessionDep) -> WorkerList:
+def list_workers_route(user: CurrentUser, session: ReadSessionDep) -> WorkerList:
     del user  # any authenticated user may see the fleet
     return WorkerList(
         items=[WorkerOut.model_validate(w) for w in list_workers(session)], next_cursor=None
