@@ -8,7 +8,7 @@ therefore keep working for up to that long in a running API process.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -70,24 +70,22 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
-async def get_session(request: Request) -> AsyncIterator[Session]:
+def _open(factory: sessionmaker[Session]) -> Iterator[Session]:
+    session = factory()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def get_session(request: Request) -> Iterator[Session]:
     """A session for a route that writes; nothing is committed unless the route commits."""
-    factory: sessionmaker[Session] = request.app.state.sessions
-    session = factory()
-    try:
-        yield session
-    finally:
-        session.close()
+    yield from _open(request.app.state.sessions)
 
 
-async def get_read_session(request: Request) -> AsyncIterator[Session]:
+def get_read_session(request: Request) -> Iterator[Session]:
     """A session for a route that only reads: it never takes SQLite's write lock."""
-    factory: sessionmaker[Session] = request.app.state.read_sessions
-    session = factory()
-    try:
-        yield session
-    finally:
-        session.close()
+    yield from _open(request.app.state.read_sessions)
 
 
 def _lookup(factory: sessionmaker[Session], token: str) -> Principal | None:
