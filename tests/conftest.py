@@ -68,3 +68,16 @@ def redis_url() -> str:
 def queue_prefix() -> str:
     """A broker queue prefix unique to one test, so tests never consume each other's tasks."""
     return f"tytest-{uuid.uuid4().hex[:10]}"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("torchyard")
+    group.addoption(
+        "--chaos-minutes",
+        type=float,
+        default=0.0,
+        help="run the fault suite as a soak of this many minutes (default: the bounded run)",
+    )
+    group.addoption(
+        "--chaos-seed", type=int, default=None, help="replay the fault suite with this seed"
+    )

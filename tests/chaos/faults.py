@@ -1,0 +1,175 @@
+"""The fault injector: each kind of fault, done to the real processes and services at a
+seeded random moment, logged with the time it took."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from cluster import REMOTE, ChaosCluster
+
+LOCAL_WORKERS = ["w0", "w1"]
+
+
+class Injector:
+    def __init__(
+        self, c: ChaosCluster, rng: random.Random, *, long: bool, log: Callable[[str], None]
+    ):
+        self.c, self.rng, self.long, self.log = c, rng, long, log
+        self.t = float(c.env["TORCHYARD_HEARTBEAT_TIMEOUT_S"])
+        self.done: Counter[str] = Counter()
+        self.stall_checks: list[float] = []  # GET job latency while downloads were stalled
+
+    # ---- the faults ---------------------------------------------------------------------
+
+    def _target(self) -> str:
+        busy = self.c.busy_worker(LOCAL_WORKERS)
+        w = busy or self.rng.choice(LOCAL_WORKERS)
+        self.log(f"  target {w} ({'busy' if busy else 'idle'})")
+        return w
+
+    def kill_worker(self) -> None:
+        w = self._target()
+        self.c.kill(w, signal.SIGKILL)
+        time.sleep(self.rng.uniform(0.5, 2))
+        self.c.restart(w)
+
+    def kill_scheduler(self) -> None:
+        self.c.kill("scheduler", signal.SIGKILL)
+        time.sleep(self.rng.uniform(0.5, 3))
+        self.c.restart("scheduler")
+
+    def kill_api(self) -> None:
+        self.c.kill("api", signal.SIGKILL)
+        time.sleep(self.rng.uniform(0.5, 2))
+        self.c.restart("api")
+
+    def freeze_worker(self) -> None:
+        w = self._target()
+        os.kill(self.c.procs[w].pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.t * 1.5 + self.rng.uniform(0, 2))
+        finally:
+            os.kill(self.c.procs[w].pid, signal.SIGCONT)
+
+    def pg_outage(self) -> None:
+        lo, hi = (30, 45) if self.long else (12, 16)
+        self.c.pg.stop()
+        try:
+            time.sleep(self.rng.uniform(lo, hi))
+        finally:
+            self.c.pg.start()
+
+    def redis_restart(self) -> None:
+        self.c.redis.restart()
+
+    def stalled_downloads(self) -> None:
+        job = self._job_with_checkpoint()
+        if job is None:
+            return
+        socks = []
+        try:
+            for _ in range(12):
+                socks.append(self._stall(job))
+            for _ in range(5):
+                t0 = time.monotonic()
+                r = self.c.http.get(f"/v1/jobs/{job}", timeout=10)
+                assert r.status_code == 200, r.text
+                self.stall_checks.append(time.monotonic() - t0)
+                time.sleep(0.5)
+        finally:
+            for s in socks:
+                s.close()
+
+    def disk_full(self) -> None:
+        filler = self.c.storage_root / ".filler"
+        try:
+            with open(filler, "wb") as f:
+                block = b"\0" * (1 << 20)
+                while True:
+                    f.write(block)
+                    f.flush()
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+        try:
+            time.sleep(self.rng.uniform(2, 5))
+        finally:
+            filler.unlink()
+
+    def partition(self) -> None:
+        busy = self.c.busy_worker([REMOTE], timeout=40)
+        self.log(f"  cutting {REMOTE} ({'busy' if busy else 'idle'})")
+        self.c.host2.cut()
+        try:
+            time.sleep(self.t * 1.5 + self.rng.uniform(0, 3))
+        finally:
+            self.c.host2.restore()
+
+    KINDS = ("kill_worker", "kill_scheduler", "kill_api", "freeze_worker", "pg_outage",
+             "redis_restart", "stalled_downloads", "disk_full", "partition")  # fmt: skip
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _job_with_checkpoint(self) -> str | None:
+        """The job with the biggest checkpoint so far (bigger than socket buffers, so a
+        stalled client really leaves the server blocked mid-body)."""
+        for _ in range(60):
+            best: tuple[int, str] | None = None
+            with contextlib.suppress(Exception):
+                for j in self.c.tolerant_get("/v1/jobs", limit=50)["items"]:
+                    for ck in self.c.tolerant_get(f"/v1/jobs/{j['id']}/checkpoints")["items"]:
+                        if best is None or ck["bytes"] > best[0]:
+                            best = (ck["bytes"], str(j["id"]))
+            if best is not None and best[0] > 0:
+                return best[1]
+            time.sleep(0.5)
+        return None
+
+    def _stall(self, job: str) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.c.port), timeout=10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.sendall(f"GET /v1/jobs/{job}/checkpoints/latest/download HTTP/1.1\r\nHost: t\r\n"
+                  f"Authorization: Bearer {self.c.token}\r\n\r\n".encode())  # fmt: skip
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(1)
+            if not chunk:
+                break
+            head += chunk
+        return s
+
+    # ---- the schedule --------------------------------------------------------------------
+
+    def run(self, until: float, stop: threading.Event) -> None:
+        """Every kind once, in a seeded order; in a long run, then more at random until
+        `until` (monotonic)."""
+        order = list(self.KINDS)
+        self.rng.shuffle(order)
+        while not stop.is_set():
+            if not order:
+                if not self.long or time.monotonic() >= until:
+                    return
+                order = [self.rng.choice(self.KINDS)]
+            kind = order.pop(0)
+            stop.wait(self.rng.uniform(1, 4))
+            t0 = time.monotonic()
+            self.log(f"fault {kind} ...")
+            getattr(self, kind)()
+            self.done[kind] += 1
+            self.log(f"fault {kind} done in {time.monotonic() - t0:.1f}s")
+
+
+def leftover_trainers(storage: Path) -> list[int]:
+    from worker_cluster import processes_mentioning
+
+    return processes_mentioning(str(storage))
