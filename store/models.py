@@ -1,4 +1,4 @@
-"""The tables. Each column has one writer (see DESIGN.md):
+"""The tables. Each column has one writer (see docs/architecture.md):
 
 - api: users, tokens, jobs.spec/name/owner/priority/cancel_requested, idempotency keys
 - scheduler: jobs.state queued→starting, jobs.pending_reason, attempts, assignments

@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md, read from the source with `ast` (every import statement,
+"""The import rules of docs/architecture.md, read from the source with `ast` (every import statement,
 also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("literal")):
 
 - `trainer` imports nothing of ours and no service library (fastapi, celery, sqlalchemy,

@@ -106,7 +106,7 @@ def gather_to_main(d: Dist, obj: Any) -> list[Any]:
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
-    """DESIGN.md: `auto` is bf16 on CUDA where supported, else fp16; fp32 on CPU."""
+    """The spec's `precision`: `auto` is bf16 on CUDA where supported, else fp16; fp32 on CPU."""
     if requested != "auto":
         return requested
     if device.type == "cuda":

@@ -2,7 +2,7 @@
 nowhere on the other ranks, a list in tests.
 
 Every event is one JSON object with `type` and `time` (Unix seconds). The types and
-their fields are the contract with the worker (see DESIGN.md):
+their fields are the contract with the worker (see docs/architecture.md):
 
     started     world_size, device, precision, versions, resumed_from, step, total_steps, attempt?
     metric      step, epoch, name, value       (train/loss, train/lr, train/samples_per_s,

@@ -1,5 +1,5 @@
 """An in-memory stand-in for the torchyard REST API behind httpx.MockTransport: the
-shapes of DESIGN.md, a job that advances one step per poll, and checkpoint downloads
+shapes of docs/architecture.md, a job that advances one step per poll, and checkpoint downloads
 with Range, If-Range and ETag. Used by the SDK/CLI unit tests; the e2e tests use the
 real server."""
 
