@@ -5,6 +5,7 @@ reach the first host's PostgreSQL and Redis only over the veth, and can be cut o
 from __future__ import annotations
 
 import contextlib
+import secrets
 import subprocess
 import uuid
 
@@ -14,8 +15,11 @@ def _ip(*args: str) -> None:
 
 
 class SecondHost:
-    def __init__(self, subnet: str = "10.201.7"):
+    def __init__(self, subnet: str | None = None):
         tag = uuid.uuid4().hex[:6]
+        # A subnet of its own per run (inside 10.201/16, which the private PostgreSQL
+        # trusts), so a run killed before its clean-up never collides with the next.
+        subnet = subnet or f"10.201.{secrets.randbelow(250) + 1}"
         self.ns = f"tychaos-{tag}"
         self.root_if, self.ns_if = f"tyc0{tag}", f"tyc1{tag}"
         self.root_addr, self.addr = f"{subnet}.1", f"{subnet}.2"
