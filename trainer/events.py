@@ -22,6 +22,7 @@ id of rank 0 (the only rank that writes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -93,7 +94,10 @@ class JsonlEvents:
         self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        # A line a full disk refused is still in the buffer: closing must not turn the
+        # trainer's exit code into a traceback (the file is closed either way).
+        with contextlib.suppress(OSError):
+            self._f.close()
 
 
 class NullEvents:

@@ -18,6 +18,10 @@ NONFINITE_LOSS = 3
 """The loss became NaN/inf; an `error` event (kind `nonfinite_loss`) names the step."""
 OUT_OF_MEMORY = 4
 """The device (or host) ran out of memory; an `error` event (kind `out_of_memory`) was written."""
+STORAGE_FULL = 5
+"""The run directory's file system is full (or over quota): not the job's fault, so the
+worker hands it back instead of counting a failure. An `error` event (kind `storage_full`)
+is written if there is room for it."""
 PREEMPTED = 75
 """SIGTERM (or SIGINT) received: a checkpoint was saved, a `stopped` event written; resumable."""
 
@@ -27,5 +31,6 @@ NAMES = {
     BAD_SPEC: "bad_spec",
     NONFINITE_LOSS: "nonfinite_loss",
     OUT_OF_MEMORY: "out_of_memory",
+    STORAGE_FULL: "storage_full",
     PREEMPTED: "preempted",
 }

@@ -15,7 +15,9 @@ Rules it keeps:
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
+import os
 import sys
 import time
 import traceback
@@ -108,13 +110,37 @@ def run(spec: JobSpec, r: Run) -> int:
             return _fail(
                 r, "out_of_memory", f"{type(e).__name__}: {e}", pos, exitcodes.OUT_OF_MEMORY
             )
+        if storage_full(e, r.run_dir):
+            return _fail(r, "storage_full", f"{type(e).__name__}: {e}", pos, exitcodes.STORAGE_FULL)
         traceback.print_exc(file=sys.stderr)
         return _fail(r, "internal", f"{type(e).__name__}: {e}", pos, exitcodes.FAILED)
 
 
+FULL_BELOW_BYTES = 1 << 20
+
+
+def storage_full(e: BaseException, run_dir: Path) -> bool:
+    """The failure came from a full file system: ENOSPC/EDQUOT anywhere in the exception's
+    chain, or (torch.save reports a failed write as a bare RuntimeError) any error while
+    the run directory's file system has less than 1 MiB left."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        st = os.statvfs(run_dir)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
+
+
 def _fail(r: Run, kind: str, message: str, pos: Position, code: int) -> int:
     print(f"trainer: {kind}: {message}", file=sys.stderr, flush=True)
-    r.events.emit("error", kind=kind, message=message[:4000], step=pos.step)
+    try:
+        r.events.emit("error", kind=kind, message=message[:4000], step=pos.step)
+    except OSError as e:  # a full disk: the exit code still says what happened
+        print(f"trainer: could not write the error event: {e}", file=sys.stderr, flush=True)
     return code
 
 

@@ -5,6 +5,7 @@ Rules, first match wins:
 - cancel requested -> cancelled (succeeded still wins if the trainer finished first);
 - rank 0's `finished` (or exit 0) -> succeeded, even if the worker was stopping by then;
 - the worker stopping, or stopping its trainer after losing the store -> handed back;
+- the job's storage full (exit 5, or an `error` of kind storage_full) -> handed back;
 - an `error` event -> failed with "kind: message" (nonfinite_loss, data and out_of_memory
   are deterministic, so the job fails at once; other kinds are retried);
 - a SIGTERM from outside (a `stopped` event, exit 75) -> handed back;
@@ -80,6 +81,11 @@ def decide(e: Ending) -> Decision | None:
         return Decision(A_HANDED_BACK, why, None, False)
     if e.stop_why == STOP_STORE_LOST:
         why = f"worker {e.worker_id} lost the store; trainer stopped{step} so that no other attempt overlaps it"
+        return Decision(A_HANDED_BACK, why, None, False)
+    if e.rc == exitcodes.STORAGE_FULL or (e.error or {}).get("kind") == "storage_full":
+        # The worker's storage, not the job: retried when there is room, never counted.
+        detail = (e.error or {}).get("message") or "no space left on the job's storage"
+        why = f"storage full on worker {e.worker_id}{step}: {detail}"
         return Decision(A_HANDED_BACK, why, None, False)
     if e.error is not None:
         kind = str(e.error.get("kind", "internal"))

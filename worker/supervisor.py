@@ -524,12 +524,7 @@ class Supervision:
             if self.proc is not None:
                 signal_group(self.proc, signal.SIGKILL)
                 self.proc.wait()
-            self.finish(
-                None,
-                Decision(
-                    A_FAILED, f"launch failed on worker {self.ctx.worker_id}: {e}", None, True
-                ),
-            )
+            self.finish(None, self._launch_failed(e))
             return
         try:
             rc = self.supervise()

@@ -1,5 +1,6 @@
-"""The API under ordinary faults: a stalled download client, an exhausted connection pool,
-a store outage, a checkpoint pruned mid-request, and a huge curve without max_points."""
+"""The API under ordinary faults: stalled download and event-stream clients, an exhausted
+connection pool, a store outage, a swamped thread pool, a checkpoint pruned mid-request, and
+a huge curve without max_points."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 from torchyard_testdb import Factory
 
-from api.app import create_app
+from api.app import SHED_WAITING_PER_THREAD, create_app
 from store.checkpoints import record_checkpoint
 from store.db import make_engine, session_scope
 from store.metrics import ingest_metrics
@@ -43,14 +47,12 @@ def _checkpoint(settings: Settings, db_url: str, job_id: str, size: int) -> str:
 
 
 @contextlib.contextmanager
-def _server(settings: Settings) -> Iterator[int]:
+def _server(app: FastAPI) -> Iterator[int]:
     """The real app under uvicorn on a free port, in this process."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 20
@@ -64,19 +66,30 @@ def _server(settings: Settings) -> Iterator[int]:
         t.join(timeout=10)
 
 
-def _stalled_download(port: int, job_id: str, token: str) -> socket.socket:
-    """Ask for the checkpoint, read the status line and headers, then read nothing more."""
+def _stalled(port: int, path: str, token: str, until: bytes = b"\r\n\r\n") -> socket.socket:
+    """GET `path`, read up to `until` (by default the end of the headers), then read
+    nothing more: a client that stalls."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
     sock.sendall(
-        f"GET /v1/jobs/{job_id}/checkpoints/latest/download HTTP/1.1\r\nHost: t\r\n"
-        f"Authorization: Bearer {token}\r\n\r\n".encode()
+        f"GET {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
     )
     head = b""
-    while b"\r\n\r\n" not in head:
+    while until not in head:
         head += sock.recv(1)
     assert head.startswith(b"HTTP/1.1 200"), head
     return sock
+
+
+def _stalled_download(port: int, job_id: str, token: str) -> socket.socket:
+    return _stalled(port, f"/v1/jobs/{job_id}/checkpoints/latest/download", token)
+
+
+def _checked_out(app: FastAPI) -> int:
+    """Connections the app's engines have lent out right now."""
+    pools = [f.kw["bind"].pool for f in (app.state.sessions, app.state.read_sessions)]
+    return sum(p.checkedout() for p in pools)  # type: ignore[attr-defined]
 
 
 def test_a_stalled_download_blocks_no_writer_and_no_reader(
@@ -89,10 +102,15 @@ def test_a_stalled_download_blocks_no_writer_and_no_reader(
     job = factory.job("alice", state="running")
     factory.worker("w1")
     _checkpoint(settings, db_url, job, BIG)
-    with _server(settings) as port:
+    app = create_app(settings)
+    app.state.feed_poll_s = 60.0  # after its first poll the event stream just waits
+    with _server(app) as port:
         socks = [_stalled_download(port, job, token)]
         try:
-            time.sleep(0.3)  # the server is now blocked writing the body
+            # An event stream is open too, past its first poll (the checkpoint's event).
+            socks.append(_stalled(port, f"/v1/jobs/{job}/events", token, b"event: checkpoint"))
+            time.sleep(0.3)  # the server is now blocked writing the download's body
+            assert _checked_out(app) == 0  # nothing held while the bodies stream
             t0 = time.monotonic()
             with session_scope(db_url) as s:  # a worker's heartbeat: a write transaction
                 assert heartbeat(s, "w1") is not None
@@ -114,7 +132,7 @@ def test_more_stalled_downloads_than_the_pool_leave_every_route_working(
     job = factory.job("alice", state="running")
     _checkpoint(settings, db_url, job, BIG)
     auth = {"Authorization": f"Bearer {token}"}
-    with _server(settings) as port:
+    with _server(create_app(settings)) as port:
         socks = []
         try:
             for _ in range(32):
@@ -154,36 +172,57 @@ def test_a_checkpoint_pruned_before_it_is_opened_is_a_404(
     assert rel
 
 
+# Every route that reads the store, and the one route here that writes it.
+ROUTES = [
+    ("GET", "/v1/jobs"),
+    ("GET", "/v1/jobs/{job}"),
+    ("GET", "/v1/jobs/{job}/metrics"),
+    ("GET", "/v1/jobs/{job}/logs"),
+    ("GET", "/v1/jobs/{job}/checkpoints"),
+    ("GET", "/v1/jobs/{job}/checkpoints/latest/download"),
+    ("GET", "/v1/jobs/{job}/events"),  # the job has ended: even a 200 would be finite
+    ("GET", "/v1/workers"),
+    ("POST", "/v1/jobs/{job}/cancel"),
+]
+
+
+def _all_503(c: TestClient, job: str, auth: dict[str, str], code: str) -> None:
+    for method, route in ROUTES:
+        t0 = time.monotonic()
+        r = c.request(method, route.format(job=job), headers=auth)
+        took = time.monotonic() - t0
+        assert r.status_code == 503, (route, r.status_code, r.text)
+        assert int(r.headers["retry-after"]) > 0, route
+        assert set(r.json()["error"]) == {"code", "message", "details"}
+        assert r.json()["error"]["code"] == code, (route, r.text)
+        assert took < 2.0, (route, took)  # a fast no, never a hang
+
+
 def test_pool_exhaustion_and_store_outage_are_503_with_retry_after(
     settings: Settings, factory: Factory,
 ) -> None:  # fmt: skip
+    """A pool timeout (sqlalchemy.exc.TimeoutError) used to be a 500 after 30 s; a store
+    that refuses connections (OperationalError) a 500 too. Both are a prompt 503 with
+    Retry-After on every route."""
     token = factory.token("alice")
-    job = factory.job("alice")
+    job = factory.job("alice", state="succeeded")
     auth = {"Authorization": f"Bearer {token}"}
     app = create_app(settings.model_copy(update={"db_pool_timeout_s": 0.2}))
     with TestClient(app, raise_server_exceptions=False) as c:
-        assert c.get(f"/v1/jobs/{job}/checkpoints", headers=auth).status_code == 200
-        engine = app.state.read_sessions.kw["bind"]
-        held = [
-            engine.connect() for _ in range(engine.pool.size() + max(engine.pool._max_overflow, 0))
-        ]
+        assert c.get(f"/v1/jobs/{job}", headers=auth).status_code == 200  # token now cached
+        engines = [f.kw["bind"] for f in (app.state.sessions, app.state.read_sessions)]
+        held = [e.connect() for e in engines for _ in range(e.pool.size() + e.pool._max_overflow)]
         try:
-            t0 = time.monotonic()
-            r = c.get(f"/v1/jobs/{job}/checkpoints", headers=auth)
-            assert r.status_code == 503 and r.headers["retry-after"], r.text
-            assert r.json()["error"]["code"] == "busy"
-            assert time.monotonic() - t0 < 2.0  # fast, not a hang
+            _all_503(c, job, auth, "busy")
         finally:
             for conn in held:
                 conn.close()
+        assert c.get(f"/v1/jobs/{job}", headers=auth).status_code == 200  # and it recovers
 
         # The store goes away: nothing listens where the database was.
-        app.state.read_sessions = sessionmaker(
-            make_engine("postgresql+psycopg://postgres@127.0.0.1:1/gone", pool_timeout=0.2)
-        )
-        r = c.get(f"/v1/jobs/{job}/checkpoints", headers=auth)
-        assert r.status_code == 503 and r.headers["retry-after"], r.text
-        assert r.json()["error"]["code"] == "unavailable"
+        gone = make_engine("postgresql+psycopg://postgres@127.0.0.1:1/gone", pool_timeout=0.2)
+        app.state.sessions = app.state.read_sessions = sessionmaker(gone)
+        _all_503(c, job, auth, "unavailable")
 
 
 def test_metrics_without_max_points_come_in_pages(
@@ -219,3 +258,40 @@ def test_metrics_without_max_points_come_in_pages(
     assert seen["train/loss"] == list(range(1, 351))
     assert seen["val/accuracy"] == list(range(10, 351, 10))
     assert pages == 4
+
+
+@pytest.mark.anyio
+async def test_a_swamped_thread_pool_sheds_new_requests_at_once(
+    settings: Settings, factory: Factory
+) -> None:
+    """Every store call waits for one of TORCHYARD_API_THREADS threads. With that queue
+    already full, a new request used to queue behind it without bound; it is now answered
+    503 with Retry-After at once (and /healthz still answers)."""
+    token = factory.token("alice")
+    job = factory.job("alice")
+    auth = {"Authorization": f"Bearer {token}"}
+    app = create_app(settings.model_copy(update={"api_threads": 1}))
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    limiter.total_tokens = 1  # what the app's lifespan sets (ASGITransport runs no lifespan)
+    full = SHED_WAITING_PER_THREAD * 1
+    release = threading.Event()
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as c:
+        async with anyio.create_task_group() as tg:
+            try:
+                for _ in range(1 + full):  # one holds the only thread, the rest queue
+                    tg.start_soon(anyio.to_thread.run_sync, release.wait)
+                with anyio.fail_after(5):
+                    while limiter.statistics().tasks_waiting < full:
+                        await anyio.sleep(0.01)
+                with anyio.fail_after(2):  # unshed, it would wait for `release`: forever
+                    r = await c.get(f"/v1/jobs/{job}", headers=auth)
+                    health = await c.get("/healthz")
+                assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
+                assert r.json()["error"]["code"] == "busy"
+                assert health.status_code == 200
+            finally:
+                release.set()
+        # The queue has drained: requests are served again.
+        with anyio.fail_after(5):
+            assert (await c.get(f"/v1/jobs/{job}", headers=auth)).status_code == 200

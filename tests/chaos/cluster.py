@@ -25,7 +25,8 @@ CHAOS_SETTINGS = {
     "TORCHYARD_RENDEZVOUS_TIMEOUT_S": "30",
     "TORCHYARD_TRAINER_THREADS": "1",
 }
-TMPFS_SIZE = "96m"
+# Room for a long run's checkpoints; the disk_full fault fills whatever is left.
+TMPFS_SIZE = "1g"
 REMOTE = "wr"  # the worker on the second host
 
 

@@ -161,7 +161,8 @@ class Injector:
                     return
                 order = [self.rng.choice(self.KINDS)]
             kind = order.pop(0)
-            stop.wait(self.rng.uniform(1, 4))
+            # A soak leaves the cluster time to make progress between faults.
+            stop.wait(self.rng.uniform(4, 12) if self.long else self.rng.uniform(1, 4))
             t0 = time.monotonic()
             self.log(f"fault {kind} ...")
             getattr(self, kind)()

@@ -4,6 +4,7 @@ the database's clock, the reaper after an outage, outcomes, and the watchdog."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -196,6 +197,13 @@ def test_outcomes_for_faults() -> None:
     # Stopped because the store was out of reach: handed back, not counted.
     cut = decide(Ending(rc=75, stop_why=STOP_STORE_LOST, stopped=True, **base))  # type: ignore[arg-type]
     assert cut is not None and cut.outcome == "handed_back"
+    # A full disk is the storage's fault, not the job's: retried, never counted.
+    for full in (
+        Ending(rc=5, stop_why=None, **base),  # type: ignore[arg-type]
+        Ending(rc=1, stop_why=None, error={"kind": "storage_full", "message": "ENOSPC"}, **base),  # type: ignore[arg-type]
+    ):
+        d = decide(full)
+        assert d is not None and d.outcome == "handed_back" and "storage full" in d.reason
 
 
 @pytest.mark.postgres
@@ -268,3 +276,34 @@ def test_watchdog_refreshes_the_lease_only_while_it_can_vouch(tmp_path: Path) ->
         assert dog.loop_stalled(time.monotonic())  # a stuck supervision loop vouches for nothing
     finally:
         dog.stop()
+
+
+def test_a_full_disk_at_launch_hands_the_job_back_uncounted(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A full storage root used to fail the launch as a counted failure: a few minutes of
+    full disk burned every restart of every job. Now it is handed back."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("needs root to mount a tmpfs")
+        pytest.skip("needs root to mount a tmpfs")
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(storage)], check=True)
+    try:
+        with contextlib.suppress(OSError), open(storage / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        settings = _settings(sqlite_url, tmp_path, storage_root=storage)
+        job_id, attempt_id, assignment_id = _started(sqlite_url)
+        ctx = WorkerContext(settings, "w1", Device("cpu", None, "cpu", None), "127.0.0.1")
+        Supervision(ctx, Claimed(assignment_id, attempt_id, 1, job_id, 0, 1, {"a": 1}, False)).run()
+        with session_scope(sqlite_url) as s:
+            att = s.get(Attempt, attempt_id)
+            assert att is not None and att.state == "handed_back", att.reason
+            assert att.reason is not None and att.reason.startswith("storage full")
+            job = s.get(Job, job_id)
+            assert job is not None and (job.state, job.attempt) == ("queued", 2)
+    finally:
+        subprocess.run(["umount", "-l", str(storage)], check=False)
