@@ -42,7 +42,8 @@ class _StoreCollector(Collector):
         jobs_g = GaugeMetricFamily("torchyard_jobs", "jobs by state", labels=["state"])
         workers_g = GaugeMetricFamily("torchyard_workers", "workers by state", labels=["state"])
         try:
-            with self.app.state.sessions() as session:
+            # The read sessions: a scrape must never take SQLite's write lock.
+            with self.app.state.read_sessions() as session:
                 for state, n in job_counts(session).items():
                     jobs_g.add_metric([state], n)
                 for state, n in worker_counts(session).items():
@@ -98,6 +99,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
     yield
+    # Close the pooled connections now, not whenever the engines are collected: a stopped
+    # API (or a test's app) must leave no idle PostgreSQL sessions behind.
+    for factory in (app.state.sessions, app.state.read_sessions):
+        factory.kw["bind"].dispose()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -121,9 +126,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for module in (jobs, job_data, checkpoints, workers, health):
         app.include_router(module.router)
-    # Outermost first: the size limit runs before anything reads a body.
-    app.add_middleware(PrometheusMetrics, registry=registry)
+    # Each add_middleware wraps the ones before it, so the last added runs first: requests
+    # are counted (shed 503s and 413s included: an operator must see them), then the size
+    # limit applies before anything reads a body, then the shedder.
     app.add_middleware(ShedLoad, max_waiting=SHED_WAITING_PER_THREAD * settings.api_threads)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(PrometheusMetrics, registry=registry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
