@@ -62,7 +62,7 @@ class Injector:
             os.kill(self.c.procs[w].pid, signal.SIGCONT)
 
     def pg_outage(self) -> None:
-        lo, hi = (30, 45) if self.long else (12, 16)
+        lo, hi = (30, 45) if self.long else (30, 34)
         self.c.pg.stop()
         try:
             time.sleep(self.rng.uniform(lo, hi))
