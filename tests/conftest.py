@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +84,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--chaos-seed", type=int, default=None, help="replay the fault suite with this seed"
     )
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A folder on a small tmpfs filled to ENOSPC (needs root; required under CI)."""
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("a full-disk test needs root to mount a tmpfs", pytrace=False)
+        pytest.skip("needs root to mount a tmpfs")
+    path = tmp_path / "full"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], check=True)
+    try:
+        with contextlib.suppress(OSError), open(path / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

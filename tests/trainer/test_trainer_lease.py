@@ -4,7 +4,6 @@ exits outright if that takes too long."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -97,25 +96,11 @@ def test_trainer_exits_outright_when_the_stop_takes_too_long(tmp_path: Path) -> 
 
 
 @pytest.mark.e2e
-def test_a_full_disk_is_reported_as_storage_full(tmp_path: Path) -> None:
+def test_a_full_disk_is_reported_as_storage_full(tmp_path: Path, full_disk: Path) -> None:
     """Not the job's fault: exit 5 (STORAGE_FULL), which the worker hands back instead of
     counting against max_restarts."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("needs root to mount a tmpfs")
-        pytest.skip("needs root to mount a tmpfs")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(run_dir)], check=True)
-    try:
-        with contextlib.suppress(OSError), open(run_dir / "filler", "wb") as f:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        spec = write_spec(tmp_path / "spec.json", make_spec(epochs=1))
-        proc = subprocess.run(trainer_cmd(spec, run_dir), cwd=REPO, env=trainer_env(),
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert proc.returncode == exitcodes.STORAGE_FULL, proc.stderr[-2000:]
-        assert "storage_full" in proc.stderr
-    finally:
-        subprocess.run(["umount", "-l", str(run_dir)], check=False)
+    spec = write_spec(tmp_path / "spec.json", make_spec(epochs=1))
+    proc = subprocess.run(trainer_cmd(spec, full_disk), cwd=REPO, env=trainer_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == exitcodes.STORAGE_FULL, proc.stderr[-2000:]
+    assert "storage_full" in proc.stderr
