@@ -65,14 +65,12 @@ def register_worker(session: Session, info: WorkerInfo) -> list[str]:
 def heartbeat(session: Session, worker_id: str) -> str | None:
     """Refresh a live worker's heartbeat. Returns its state; `lost` means the reaper gave up
     on it (its attempt was re-queued), None that the row is gone."""
-    res = session.execute(
+    session.execute(
         update(Worker)
         .where(Worker.id == worker_id, Worker.state.in_(LIVE))
         .values(last_heartbeat=db_now_value(session))
         .execution_options(synchronize_session=False)
     )
-    if res.rowcount == 1:  # type: ignore[attr-defined]
-        return session.scalar(select(Worker.state).where(Worker.id == worker_id))
     return session.scalar(select(Worker.state).where(Worker.id == worker_id))
 
 
