@@ -49,8 +49,17 @@ def transport_options(settings: Settings) -> dict[str, Any]:
     return {"visibility_timeout": VISIBILITY_TIMEOUT_S}
 
 
+def use_fixed_filesystem_transport() -> None:
+    """`filesystem://` means store/fs_broker.py (kombu's transport without its races)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES["filesystem"] = "store.fs_broker:Transport"
+
+
 def make_celery(settings: Settings) -> Celery:
     from celery import Celery
+
+    use_fixed_filesystem_transport()
 
     app = Celery("torchyard", broker=settings.broker, set_as_current=False)
     app.conf.update(
