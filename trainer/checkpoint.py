@@ -2,8 +2,16 @@
 
 A file is serialised in memory, hashed, written to a temporary name, fsynced, renamed
 over its final name and the directory fsynced; only then is it announced. A resume
-checkpoint holds everything a run needs to continue bit for bit: model, optimizer,
-GradScaler, step, epoch, position in the epoch and every RNG state of every rank. It
+checkpoint holds everything a run needs to continue where it stopped: model, optimizer,
+GradScaler, step, epoch, position in the epoch and every RNG state of every rank.
+
+How exact that is, by where it runs (the same world size and thread count assumed):
+- CPU: bit for bit, always.
+- GPU with `deterministic: true` in the spec: bit for bit (deterministic kernels, no cuDNN
+  autotuning, no TF32; trainer/loop.py: set_determinism).
+- GPU otherwise: the same data order, learning rates and RNG streams, but cuDNN's timed
+  kernel choice, TF32 and atomic adds round differently from run to run, so a resumed run
+  matches an uninterrupted one only to rounding (as two uninterrupted runs do). It
 holds only tensors and plain types, so `torch.load(weights_only=True)` reads it back.
 """
 

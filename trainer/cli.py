@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer import distributed
     from trainer.data import data_root_from_env
     from trainer.envinfo import environment
-    from trainer.events import EVENTS_FILE, JsonlEvents, NullEvents
+    from trainer.events import EVENTS_FILE, JsonlEvents, RankEvents, rank_events_file
     from trainer.loop import Run, run
 
     stop = StopFlag()
@@ -138,9 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     except LeaseError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return exitcodes.BAD_SPEC
-    d = distributed.setup()
+    try:
+        d = distributed.setup()
+    except distributed.DeviceError as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return exitcodes.BAD_SPEC
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events: JsonlEvents
     if d.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         events = JsonlEvents(run_dir / EVENTS_FILE, attempt=attempt)
         env = environment(d.device, d.rank, d.world_size)
         env.update(
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     else:
-        events = NullEvents()
+        events = RankEvents(run_dir / rank_events_file(d.rank), attempt=attempt)
     try:
         r = Run(
             run_dir=run_dir,

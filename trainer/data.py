@@ -422,8 +422,9 @@ class Batches:
             for i in range(0, len(x), 8192):
                 out[i : i + 8192] = self.norm(x[i : i + 8192])
             x = out
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+        # Kept NCHW even for channels_last: index_select returns NCHW whatever its input's
+        # layout, so a channels_last resident set would be converted twice per batch.
+        # `_prepare` converts each batch once instead.
         return x, y
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,13 @@
 """Process topology: which device this rank drives, whether DDP is on, and the few
 collectives the loop needs. Under torchrun the environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/PORT) says it all; without it the process is rank 0 of 1.
-A worker pins its GPU with CUDA_VISIBLE_DEVICES, so `cuda:LOCAL_RANK` is counted
-among the visible devices only.
+A worker pins its GPU with CUDA_VISIBLE_DEVICES (a UUID, in PCI bus order: see
+worker/identity.py), so `cuda:LOCAL_RANK` is counted among the visible devices only, and a
+rank whose LOCAL_RANK has no visible device of its own is refused (two ranks on one GPU
+would run, slowly and wrongly, or hang in NCCL).
+
+Collectives get an explicit timeout (TORCHYARD_COLLECTIVE_TIMEOUT_S, default 600 s): a rank
+whose peer died stops waiting and reports `peer_failed` instead of hanging until killed.
 
 Every collective here moves tensors: the pickling `*_object*` collectives are never used
 (a test scans for them), structured values travel as trainer/wire.py bytes."""
@@ -10,7 +15,9 @@ Every collective here moves tensors: the pickling `*_object*` collectives are ne
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,6 +27,13 @@ from trainer import wire
 
 # A sanity bound on what one rank may announce it sends (RNG states are ~10 KB).
 MAX_GATHER_BYTES = 1 << 30
+COLLECTIVE_TIMEOUT_ENV = "TORCHYARD_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+class DeviceError(RuntimeError):
+    """This rank cannot get a device of its own (a launch or pinning mistake)."""
 
 
 @dataclass(frozen=True)
@@ -46,15 +60,46 @@ def setup() -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local % torch.cuda.device_count())
+        device = cuda_device(local, torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, **kwargs)
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=collective_timeout_s()),
+            **kwargs,
+        )
     return Dist(rank=rank, local_rank=local, world_size=world, device=device)
+
+
+def cuda_device(local_rank: int, visible: int) -> torch.device:
+    """`cuda:LOCAL_RANK`, or DeviceError when this rank has no visible GPU of its own (the
+    old `local % count` put two ranks on cuda:0 without a word)."""
+    if not 0 <= local_rank < visible:
+        raise DeviceError(
+            f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but this process sees "
+            f"{visible} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+            "give each rank its own GPU (torchrun --nproc-per-node at most the visible GPUs)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def collective_timeout_s(environ: dict[str, str] | None = None) -> float:
+    raw = (os.environ if environ is None else environ).get(COLLECTIVE_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise DeviceError(f"{COLLECTIVE_TIMEOUT_ENV}={raw!r}: must be a positive number of seconds")
+    return value
 
 
 def teardown(d: Dist) -> None:
@@ -105,13 +150,28 @@ def gather_to_main(d: Dist, obj: Any) -> list[Any]:
     return [wire.decode(b) for b in all_gather_bytes(d, wire.encode(obj))]
 
 
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """The spec's `precision`: `auto` is bf16 on CUDA where supported, else fp16; fp32 on CPU."""
-    if requested != "auto":
-        return requested
+def local_precision(device: torch.device) -> str:
+    """What `auto` means on this device: bf16 where the GPU does it natively (Ampere and
+    later), fp16 with a GradScaler on older GPUs (V100, T4: their bf16 is emulated, slower
+    than fp32), fp32 on CPU."""
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16" if native else "fp16"
     return "fp32"
+
+
+def resolve_precision(
+    requested: str, d: Dist, local: Callable[[torch.device], str] = local_precision
+) -> str:
+    """The spec's `precision` as every rank will run it: rank 0 decides (`auto` by its own
+    device) and broadcasts, so a job never mixes a GradScaler rank with an unscaled one on
+    a pool of unlike GPUs. A collective: every rank calls it."""
+    choice = requested if requested != "auto" else local(d.device)
+    if not d.ddp:
+        return choice
+    code = torch.tensor([PRECISIONS.index(choice)], dtype=torch.int64, device=d.device)
+    dist.broadcast(code, src=0)
+    return PRECISIONS[int(code.item())]
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

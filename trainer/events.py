@@ -1,5 +1,7 @@
-"""Where the trainer's events go: JSON lines in `<run dir>/events.jsonl` on rank 0,
-nowhere on the other ranks, a list in tests.
+"""Where the trainer's events go: JSON lines in `<run dir>/events.jsonl` on rank 0; on
+every other rank k only its `error` and `stopped` events, in `<run dir>/events.rank<k>.jsonl`
+(each rank's worker reads its own, so a rank that fails alone is seen with its real cause);
+a list in tests.
 
 Every event is one JSON object with `type` and `time` (Unix seconds). The types and
 their fields are the contract with the worker (see docs/architecture.md):
@@ -11,13 +13,14 @@ their fields are the contract with the worker (see docs/architecture.md):
     progress    step, total_steps, epoch, samples_per_s, eta_s
     finished    step, epoch, metrics
     stopped     signal, step, checkpoint
-    error       kind ("nonfinite_loss" | "out_of_memory" | "data" | "internal"), message, step
+    error       kind ("nonfinite_loss" | "out_of_memory" | "data" | "storage_full" |
+                "peer_failed" | "unsupported" | "internal"), message, step, rank
 
 Every event also has `attempt` (the job's attempt number, from TORCHYARD_ATTEMPT, which the
 worker sets) so that a supervisor can tell its own trainer's lines from an earlier attempt's
 in the shared file. A trainer run by hand (variable unset) writes no `attempt` field at all,
 rather than null. `started`, `finished`, `stopped` and `error` also carry `pid`, the process
-id of rank 0 (the only rank that writes).
+id of the rank that wrote them.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-EVENTS_FILE = "events.jsonl"
+from trainer.eventfiles import EVENTS_FILE, RANK_EVENTS, rank_events_file
+
+__all__ = ["EVENTS_FILE", "rank_events_file"]
 ATTEMPT_ENV = "TORCHYARD_ATTEMPT"
 # The events that say which process ran, so the worker can match them to what it spawned.
 PID_EVENTS = frozenset({"started", "finished", "stopped", "error"})
@@ -100,8 +105,17 @@ class JsonlEvents:
             self._f.close()
 
 
+class RankEvents(JsonlEvents):
+    """The sink of every rank but 0: only what its own worker must know to classify the
+    rank's end (rank 0 reports metrics and checkpoints for all)."""
+
+    def emit(self, type: str, **fields: Any) -> None:
+        if type in RANK_EVENTS:
+            super().emit(type, **fields)
+
+
 class NullEvents:
-    """The sink of every rank but 0."""
+    """A sink that drops everything."""
 
     def emit(self, type: str, **fields: Any) -> None:
         pass

@@ -15,7 +15,6 @@ Rules it keeps:
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import os
 import sys
@@ -53,6 +52,7 @@ from trainer.distributed import (
 )
 from trainer.envinfo import versions
 from trainer.events import EventSink
+from trainer.failures import classify
 from trainer.models import build_model
 from trainer.optim import build_optimizer, lr_schedule, set_lr
 from trainer.signals import StopFlag
@@ -90,55 +90,26 @@ class Run:
     log: Callable[[str], None] = print
 
 
-def is_oom(e: BaseException) -> bool:
-    # The CPU allocator reports exhaustion as a plain RuntimeError.
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-    )
-
-
 def run(spec: JobSpec, r: Run) -> int:
     """Train as the spec says; return an exit code of trainer.exitcodes. Errors end up as one
-    `error` event (rank 0) and a code, never as an exception."""
+    `error` event (every rank writes its own: trainer/events.py) and a code, never as an
+    exception."""
     pos = Position()
     try:
         return _train(spec, r, pos)
     except DataError as e:
         return _fail(r, "data", str(e), pos, exitcodes.FAILED)
     except Exception as e:
-        if is_oom(e):
-            return _fail(
-                r, "out_of_memory", f"{type(e).__name__}: {e}", pos, exitcodes.OUT_OF_MEMORY
-            )
-        if storage_full(e, r.run_dir):
-            return _fail(r, "storage_full", f"{type(e).__name__}: {e}", pos, exitcodes.STORAGE_FULL)
-        traceback.print_exc(file=sys.stderr)
-        return _fail(r, "internal", f"{type(e).__name__}: {e}", pos, exitcodes.FAILED)
-
-
-FULL_BELOW_BYTES = 1 << 20
-
-
-def storage_full(e: BaseException, run_dir: Path) -> bool:
-    """The failure came from a full file system: ENOSPC/EDQUOT anywhere in the exception's
-    chain, or (torch.save reports a failed write as a bare RuntimeError) any error while
-    the run directory's file system has less than 1 MiB left."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        st = os.statvfs(run_dir)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
+        kind, code = classify(e, r.run_dir)
+        if kind == "internal":
+            traceback.print_exc(file=sys.stderr)
+        return _fail(r, kind, f"{type(e).__name__}: {e}", pos, code)
 
 
 def _fail(r: Run, kind: str, message: str, pos: Position, code: int) -> int:
-    print(f"trainer: {kind}: {message}", file=sys.stderr, flush=True)
+    print(f"trainer: rank {r.dist.rank}: {kind}: {message}", file=sys.stderr, flush=True)
     try:
-        r.events.emit("error", kind=kind, message=message[:4000], step=pos.step)
+        r.events.emit("error", kind=kind, message=message[:4000], step=pos.step, rank=r.dist.rank)
     except OSError as e:  # a full disk: the exit code still says what happened
         print(f"trainer: could not write the error event: {e}", file=sys.stderr, flush=True)
     return code
@@ -149,12 +120,8 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
     device, W = d.device, d.world_size
     if spec.batch_size % W:
         raise DataError(f"batch_size {spec.batch_size} is not divisible by world size {W}")
-    if device.type == "cuda":
-        # Speed over bitwise reproducibility on GPUs (exact resume is a CPU fp32 promise).
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    precision = resolve_precision(spec.precision, device)
+    set_determinism(spec.deterministic, device)
+    precision = resolve_precision(spec.precision, d)
     amp = autocast_dtype(precision)
 
     # ---- data: once, onto the device when it fits
@@ -179,11 +146,18 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
 
     # ---- model, optimizer, precision: the same initial weights on every rank
     torch.manual_seed(spec.seed)
-    net = build_model(spec.model, ds.sample_shape, ds.num_classes).to(device)
+    net = build_model(spec.model, ds.sample_shape, ds.num_classes)
+    sync_bn = d.ddp and device.type == "cuda" and has_batchnorm(net)
+    if sync_bn:
+        # Statistics over the global batch, as one GPU would compute them. SyncBatchNorm
+        # runs on GPUs only: on CPU (gloo) each rank normalises with its own shard's.
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    net = net.to(device)
     if batches.channels_last:
         net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     opt = build_optimizer(spec, net, device)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    # One step path for every precision: a disabled scaler passes everything through.
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     lr_at = lr_schedule(spec, total_steps)
     metrics: dict[str, float] = {}
 
@@ -197,7 +171,7 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
             )
         net.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        if scaler is not None and ckpt.get("scaler"):
+        if scaler.is_enabled() and ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
         pos = _resume_position(pos, ckpt)
         metrics = dict(ckpt.get("metrics") or {})
@@ -205,14 +179,7 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
         restore_rng(rngs[d.rank] if len(rngs) == W else rngs[0], device)
         resumed_from = _relative(r.resume, r.run_dir)
 
-    model: nn.Module = net
-    if spec.compile:
-        model = torch.compile(net)  # type: ignore[assignment]
-    fwd = model  # evaluation skips DDP's hooks
-    if d.ddp:
-        model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
+    model, fwd = wrap_model(net, d, spec.compile)
     autocast = (
         torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
     )
@@ -242,7 +209,7 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
             payload = {
                 "model": net.state_dict(),
                 "optimizer": opt.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None,
+                "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                 "epoch": pos.epoch,
                 "batch_in_epoch": pos.batch,
                 "rng": rngs,
@@ -290,6 +257,8 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
             device=str(device),
             device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             precision=precision,
+            sync_batchnorm=sync_bn,
+            deterministic=spec.deterministic,
             versions=versions(),
             resumed_from=resumed_from,
             step=pos.step,
@@ -375,7 +344,7 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
     def nonfinite(at: int) -> int:
         msg = f"loss is not finite at step {at}; lower the learning rate or use fp32/bf16"
         print(f"trainer: nonfinite_loss: {msg}", file=sys.stderr, flush=True)
-        events.emit("error", kind="nonfinite_loss", message=msg, step=at)
+        events.emit("error", kind="nonfinite_loss", message=msg, step=at, rank=d.rank)
         barrier(d)
         return exitcodes.NONFINITE_LOSS
 
@@ -396,18 +365,12 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
             with autocast:
                 loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                if spec.grad_clip:
-                    scaler.unscale_(opt)
-                    nn.utils.clip_grad_norm_(net.parameters(), spec.grad_clip)
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                if spec.grad_clip:
-                    nn.utils.clip_grad_norm_(net.parameters(), spec.grad_clip)
-                opt.step()
+            scaler.scale(loss).backward()
+            if spec.grad_clip:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(net.parameters(), spec.grad_clip)
+            scaler.step(opt)  # no host sync: fused optimizers read the inf flag on the GPU
+            scaler.update()
             pos.step += 1
             pos.batch += 1
             pending.append(loss.detach().float())
@@ -475,6 +438,43 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
         )
     barrier(d)
     return exitcodes.OK
+
+
+def set_determinism(deterministic: bool, device: torch.device) -> None:
+    """`deterministic: true`: only deterministic kernels, no cuDNN autotuning, no TF32, so
+    that a GPU run (and its resume) repeats bit for bit. Otherwise GPUs take the fast path:
+    cuDNN picks kernels by timing them and matmuls use TF32, which is why GPU resume is then
+    exact only to rounding (CPU runs are exact either way: docs/architecture.md)."""
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; read when its handle is made,
+        # i.e. at the first matmul, which is still to come.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    fast = device.type == "cuda" and not deterministic
+    torch.backends.cudnn.benchmark = fast
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cuda.matmul.allow_tf32 = fast
+    torch.backends.cudnn.allow_tf32 = fast
+
+
+def has_batchnorm(net: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+def wrap_model(net: nn.Module, d: Dist, compile: bool) -> tuple[nn.Module, nn.Module]:
+    """(module to train, module to evaluate). Under DDP the DDP wrapper is compiled, not
+    wrapped around a compiled net: that way dynamo splits the graph at DDP's bucket
+    boundaries and gradient all-reduces overlap the backward pass. Evaluation runs the
+    plain net (compiled separately: no DDP hooks, no buffer broadcast). Checkpoints always
+    save `net.state_dict()`, so keys never carry `module.` or `_orig_mod.` prefixes."""
+    train: nn.Module = net
+    if d.ddp:
+        ids = [d.device.index] if d.device.type == "cuda" else None
+        train = DistributedDataParallel(net, device_ids=ids)
+    if not compile:
+        return train, net
+    fwd = torch.compile(net)
+    return (torch.compile(train) if d.ddp else fwd), fwd  # type: ignore[return-value]
 
 
 def _resume_position(pos: Position, ckpt: dict[str, Any]) -> Position:

@@ -52,6 +52,14 @@ class LeNet(nn.Module):
         return self.classifier(self.features(x))
 
 
+class GlobalAvgPool(nn.Module):
+    """AdaptiveAvgPool2d(1) as a mean: the same numbers, but its backward is deterministic
+    on CUDA (adaptive pooling's is not, and `deterministic: true` would refuse it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3), keepdim=True)
+
+
 def resnet18(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """torchvision's ResNet-18 (random init, nothing downloaded) with a small-image stem:
     a 3x3 stride-1 first conv and no max-pool, as is usual for 32x32 inputs."""
@@ -60,6 +68,7 @@ def resnet18(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     m = tv_resnet18(weights=None, num_classes=num_classes)
     m.conv1 = nn.Conv2d(in_shape[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
     m.maxpool = nn.Identity()  # type: ignore[assignment]
+    m.avgpool = GlobalAvgPool()  # type: ignore[assignment]
     return m
 
 

@@ -22,8 +22,11 @@ ONECYCLE_FINAL_DIV = 1e4
 def build_optimizer(spec: JobSpec, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     o = spec.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    # foreach (one kernel per group of tensors) on CUDA; the per-tensor loop is faster on CPU.
-    foreach = device.type == "cuda"
+    # On CUDA the fused kernels: one launch for all parameters, and GradScaler hands them the
+    # scale and inf flag on the GPU (`_step_supports_amp_scaling`), where with foreach or the
+    # loop it reads the flag with `.item()`, a host sync every fp16 step. On CPU the
+    # per-tensor loop is the fastest.
+    kind: dict[str, bool] = {"fused": True} if device.type == "cuda" else {"foreach": False}
     if o.name == "sgd":
         return torch.optim.SGD(
             params,
@@ -31,12 +34,10 @@ def build_optimizer(spec: JobSpec, model: nn.Module, device: torch.device) -> to
             momentum=o.sgd_momentum,
             nesterov=o.nesterov,
             weight_decay=o.weight_decay,
-            foreach=foreach,
+            **kind,
         )
     cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
-    return cls(
-        params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, foreach=foreach
-    )
+    return cls(params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, **kind)
 
 
 def lr_schedule(spec: JobSpec, total_steps: int) -> Callable[[int], float]:

@@ -214,6 +214,9 @@ class JobSpec(_Strict):
     """Use channels_last memory format for image models (a GPU speed-up)."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    deterministic: bool = False
+    """Deterministic kernels only, no cuDNN autotuning and no TF32: GPU runs and their
+    resumes repeat bit for bit, at some cost in speed (CPU runs always do)."""
     max_restarts: int = Field(default=2, ge=0, le=100)
     """Lost attempts retried (resuming from the latest checkpoint) before the job fails."""
     priority: int = Field(default=0, ge=-1000, le=1000)

@@ -182,3 +182,54 @@ def train_in_process(
         log=lambda _s: None,
     )
     return run(parse_spec(spec), r), events
+
+
+def start_gang(
+    spec_path: Path,
+    run_dir: Path,
+    world: int = 2,
+    *,
+    devices: list[str] | None = None,
+    data_roots: list[Path] | None = None,
+    resume: Path | None = None,
+    stdout: Any = subprocess.DEVNULL,
+    **env: str,
+) -> list[subprocess.Popen]:
+    """One DDP job exactly as the workers launch it (worker/proc.py): one torchrun per rank
+    with `--nnodes=world --nproc-per-node=1`, so LOCAL_RANK is 0 everywhere, each pinned
+    with its own CUDA_VISIBLE_DEVICES (`devices[i]`; "" for CPU) and data root."""
+    from worker.proc import Launch, trainer_argv
+    from worker.proc import trainer_env as worker_env
+
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        launch = Launch(spec_path, run_dir, resume, world, rank, "127.0.0.1", port)
+        e = worker_env(
+            data_root=(
+                data_roots[rank] if data_roots else Path(env.get("TORCHYARD_DATA_ROOT", "."))
+            ),
+            cuda_visible=devices[rank] if devices else "",
+            attempt=1,
+            collective_timeout_s=float(env.pop("COLLECTIVE_TIMEOUT_S", "120")),
+        )
+        e.update(env)
+        procs.append(subprocess.Popen(trainer_argv(launch), env=e, cwd=REPO, stdout=stdout,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each process, killing every one if any overruns."""
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out

@@ -1,0 +1,108 @@
+"""What kind of failure an exception is: the `kind` of the `error` event and the exit code.
+
+The kinds decide what the scheduler does (worker/outcome.py): `data`, `out_of_memory`,
+`nonfinite_loss` and `unsupported` (an op `deterministic: true` cannot run) are the job's
+own and fail it at once; `storage_full` is the worker's and
+hands the job back; `peer_failed` means another rank died first (its worker reports the
+real cause), and `internal` is retried.
+
+Errors arrive wrapped: torch.compile re-raises an OOM as BackendCompilerFailed or
+InductorError, NCCL reports one as a DistBackendError with CUDA's text in the message, and
+`raise ... from` chains hide the original. So every test here walks the whole chain
+(`__cause__`, `__context__`, and the compilers' `inner_exception`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from trainer import exitcodes
+
+# Messages that mean an allocation failed, whatever the exception's type.
+OOM_MARKERS = (
+    "out of memory",  # CUDA's OOM text, also inside NCCL and cuBLAS errors
+    "can't allocate memory",  # the CPU allocator
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
+)
+# Messages from the collectives when the rank on the other end has gone.
+PEER_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",
+    "Timed out waiting",
+)
+FULL_BELOW_BYTES = 1 << 20
+# torch.use_deterministic_algorithms(True) refuses ops without a deterministic kernel.
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
+
+
+def chain(e: BaseException) -> Iterator[BaseException]:
+    """The exception and everything it wraps, each once."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        for inner in (x.__cause__, x.__context__, getattr(x, "inner_exception", None)):
+            if isinstance(inner, BaseException):
+                todo.append(inner)
+
+
+def is_oom(e: BaseException) -> bool:
+    for x in chain(e):
+        if isinstance(x, torch.OutOfMemoryError | MemoryError):
+            return True
+        if isinstance(x, RuntimeError) and any(m in str(x) for m in OOM_MARKERS):
+            return True
+    return False
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A collective failed because another rank is gone (or silent past the timeout)."""
+    for x in chain(e):
+        if isinstance(x, torch.distributed.DistError):
+            return True
+        if isinstance(x, RuntimeError) and any(m in str(x) for m in PEER_MARKERS):
+            return True
+    return False
+
+
+def storage_full(e: BaseException, run_dir: Path) -> bool:
+    """The failure came from a full file system: ENOSPC/EDQUOT anywhere in the exception's
+    chain, or (torch.save reports a failed write as a bare RuntimeError) any error while
+    the run directory's file system has less than 1 MiB left."""
+    for x in chain(e):
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+    try:
+        st = os.statvfs(run_dir)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
+
+
+def classify(e: BaseException, run_dir: Path) -> tuple[str, int]:
+    """(error kind, exit code) for an exception that ended training. OOM first: a rank that
+    ran out of memory inside a collective is the cause, not a victim."""
+    if is_oom(e):
+        return "out_of_memory", exitcodes.OUT_OF_MEMORY
+    if storage_full(e, run_dir):
+        return "storage_full", exitcodes.STORAGE_FULL
+    if is_peer_failure(e):
+        return "peer_failed", exitcodes.FAILED
+    if any(isinstance(x, RuntimeError) and NO_DETERMINISTIC_KERNEL in str(x) for x in chain(e)):
+        return "unsupported", exitcodes.FAILED
+    return "internal", exitcodes.FAILED
