@@ -124,6 +124,17 @@ def read_endpoint(session: Session, attempt_id: int) -> tuple[str | None, str | 
     return (row[0], row[1]) if row else (None, None)
 
 
+def attempt_hosts(session: Session, attempt_id: int) -> list[str]:
+    """The distinct hosts of the workers that run the attempt's ranks."""
+    rows = session.scalars(
+        select(Worker.host)
+        .join(Assignment, Assignment.worker_id == Worker.id)
+        .where(Assignment.attempt_id == attempt_id)
+        .distinct()
+    )
+    return sorted(rows)
+
+
 def attempt_state(session: Session, attempt_id: int) -> str | None:
     return session.scalar(select(Attempt.state).where(Attempt.id == attempt_id))
 

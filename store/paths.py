@@ -6,10 +6,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from trainer.eventfiles import EVENTS_FILE
+
+__all__ = ["EVENTS_FILE", "LOG_FILE", "SPEC_FILE", "UnsafePath", "job_dir", "resolve_inside"]
+
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 
 SPEC_FILE = "spec.json"
-EVENTS_FILE = "events.jsonl"
 LOG_FILE = "output.log"
 
 

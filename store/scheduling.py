@@ -1,6 +1,11 @@
 """One scheduling pass: queued jobs, by priority then age, to idle live workers, all ranks
 of a job at once (gang) or none; jobs that wait get a `pending_reason`.
 
+A gang is of one kind: all CPU workers, or all GPUs of one model (as nvidia-smi names it;
+GPUs of unknown name go together). A CPU rank would pick gloo where the GPU ranks pick
+NCCL and the rendezvous would hang, and a mixed-model gang runs at its slowest card's pace
+and can resolve `precision: auto` differently.
+
 Backfill policy. Jobs are considered in order (priority desc, created_at asc). A job
 that does not fit in the idle workers now does not stop smaller jobs behind it from
 starting on the idle workers that are left (backfill), so a big job never blocks the
@@ -49,6 +54,34 @@ class Dispatch:
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+Kind = tuple[str, str]
+
+
+def gang_kind(w: Worker) -> Kind:
+    """Workers of one kind may share a job: ("cpu", "") or ("cuda", GPU model)."""
+    return (w.device, w.device_name or "") if w.device == "cuda" else ("cpu", "")
+
+
+def describe_kind(k: Kind) -> str:
+    return "cpu" if k[0] == "cpu" else (k[1] or "gpu")
+
+
+def _by_kind(workers: list[Worker]) -> dict[Kind, list[Worker]]:
+    out: dict[Kind, list[Worker]] = defaultdict(list)
+    for w in workers:
+        out[gang_kind(w)].append(w)
+    return out
+
+
+def _pick_gang(free: list[Worker], n: int) -> list[Worker] | None:
+    """n idle workers of one kind (the kind with the fewest idle that still fits, keeping
+    big pools whole for big jobs), or None if no kind has n idle."""
+    fitting = [ws for ws in _by_kind(free).values() if len(ws) >= n]
+    if not fitting:
+        return None
+    return _pick(min(fitting, key=len), n)
 
 
 def _pick(free: list[Worker], n: int) -> list[Worker]:
@@ -138,25 +171,35 @@ def schedule(
     jobs = list(session.scalars(jq))
     if not jobs:
         return []
-    live = int(
-        session.scalar(
-            select(func.count())
-            .select_from(Worker)
-            .where(Worker.state.in_(LIVE), Worker.last_heartbeat >= cutoff)
-        )
-        or 0
-    )
+    live_rows = session.execute(
+        select(Worker.device, Worker.device_name, func.count())
+        .where(Worker.state.in_(LIVE), Worker.last_heartbeat >= cutoff)
+        .group_by(Worker.device, Worker.device_name)
+    ).all()
+    live_kinds: dict[Kind, int] = defaultdict(int)
+    for device, name, count in live_rows:
+        live_kinds[("cuda", name or "") if device == "cuda" else ("cpu", "")] += int(count)
+    live = sum(live_kinds.values())
+    biggest = max(live_kinds.values(), default=0)
     dispatches: list[Dispatch] = []
     waiting_ahead = 0  # jobs earlier in the order that wait and could run on this cluster
     for job in jobs:
         n = job.world_size
         reason: str | None = None
+        chosen = _pick_gang(free, n) if n <= biggest else None
         if live == 0:
             reason = "no worker registered"
         elif n > live:
             reason = f"needs {_plural(n, 'worker')}, {live} registered"
-        elif len(free) >= n:
-            chosen = _pick(free, n)
+        elif n > biggest:
+            kinds = ", ".join(
+                f"{c} {describe_kind(k)}" for k, c in sorted(live_kinds.items(), key=str)
+            )
+            reason = (
+                f"needs {_plural(n, 'worker')} of one kind (a job never mixes CPU and GPU "
+                f"workers or GPU models); registered: {kinds}"
+            )
+        elif chosen is not None:
             out = _assign(session, job, chosen)
             if out is not None:
                 dispatches += out
@@ -167,14 +210,23 @@ def schedule(
             free = [w for w in free if w not in chosen]
             continue
         else:
+            pools = _by_kind(free)
+            most = max(pools.values(), key=len, default=[])
             if waiting_ahead:
                 reason = f"queued behind {_plural(waiting_ahead, 'job')}"
+            elif len(free) >= n:
+                reason = (
+                    f"needs {_plural(n, 'worker')} of one kind, {len(free)} idle but at most "
+                    f"{len(most)} of one kind"
+                )
             else:
                 reason = f"needs {_plural(n, 'worker')}, {len(free)} idle"
             waited = (now - job.created_at).total_seconds()
             if waited > reserve_after_s:
-                # Starvation guard: keep the idle workers it needs for it.
-                free = free[n:]
+                # Starvation guard: keep the idle workers it needs for it (of the kind
+                # closest to enough).
+                kept = set(map(id, most[:n]))
+                free = [w for w in free if id(w) not in kept]
                 reason += " (reserving workers)"
             waiting_ahead += 1
         if reason is not None and job.pending_reason != reason:

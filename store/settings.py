@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     """TORCHYARD_CANCEL_GRACE_S: time between SIGTERM and SIGKILL of a cancelled trainer."""
     rendezvous_timeout_s: float = Field(default=60.0, gt=0)
     """TORCHYARD_RENDEZVOUS_TIMEOUT_S: how long a rank waits for rank 0's endpoint."""
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+    """TORCHYARD_COLLECTIVE_TIMEOUT_S: how long a DDP rank waits in a collective before it
+    gives up on its peers (a backstop: the worker of a rank that failed ends the attempt,
+    and the others' workers stop their trainers, within seconds)."""
     advertise_addr: str | None = None
     """TORCHYARD_ADVERTISE_ADDR: address other hosts use to reach this host's rendezvous
     (default: the address the host name resolves to; set it on multi-host clusters)."""

@@ -4,9 +4,9 @@ also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("lite
 - `trainer` imports nothing of ours and no service library (fastapi, celery, sqlalchemy,
   redis, kombu, …): it runs under plain torchrun.
 - `trainer/spec.py` imports pydantic only (and the standard library), never torch;
-  `trainer/__init__.py` and `trainer/exitcodes.py` import the standard library only, so
+  `trainer/__init__.py`, `trainer/exitcodes.py` and `trainer/eventfiles.py` import the standard library only, so
   the API and the worker load them without torch.
-- `api` and `worker` import `store` and `trainer.spec` (`trainer.exitcodes` too), never each
+- `api` and `worker` import `store` and `trainer.spec` (`trainer.exitcodes`, `trainer.eventfiles` too), never each
   other and never the trainer's training code.
 - `store` sits below them: it imports neither api, worker, client nor training code.
 - `client` imports nothing server-side: HTTP only.
@@ -28,7 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 OURS = {"trainer", "store", "api", "worker", "client", "torchyard", "migrations"}
 SERVICE_LIBS = {"fastapi", "starlette", "uvicorn", "celery", "kombu", "sqlalchemy", "alembic",
                 "redis", "psycopg", "psycopg2", "pydantic_settings"}  # fmt: skip
-TRAINER_PUBLIC = {"trainer.spec", "trainer.exitcodes"}  # torch-free, for api and worker
+TRAINER_PUBLIC = {
+    "trainer.spec",
+    "trainer.exitcodes",
+    "trainer.eventfiles",
+}  # torch-free, for api and worker
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
 
@@ -120,6 +124,7 @@ def test_trainer_imports_nothing_of_ours_and_no_service_library() -> None:
     [
         ("trainer/spec.py", STDLIB | {"pydantic", "pydantic_core"}),
         ("trainer/exitcodes.py", STDLIB),
+        ("trainer/eventfiles.py", STDLIB),
         ("trainer/__init__.py", STDLIB),
     ],
 )
@@ -137,7 +142,7 @@ def test_spec_and_exitcodes_load_without_torch() -> None:
     if not (REPO / "trainer" / "spec.py").is_file():
         pytest.skip("trainer/spec.py is not in the tree yet")
     code = (
-        "import sys, trainer.spec, trainer.exitcodes; "
+        "import sys, trainer.spec, trainer.exitcodes, trainer.eventfiles; "
         "heavy = sorted(m for m in ('torch', 'numpy', 'torchvision') if m in sys.modules); "
         "print(','.join(heavy))"
     )

@@ -36,7 +36,14 @@ def worker_main(argv: list[str]) -> int:
         "stops it cleanly: a running trainer checkpoints and its job goes back to the queue.",
     )
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--gpu", type=int, metavar="N", help="GPU index to pin (CUDA_VISIBLE_DEVICES=N)")
+    g.add_argument(
+        "--gpu",
+        type=int,
+        metavar="N",
+        help="the GPU to pin: nvidia-smi's index N (PCI bus order), or the N-th entry of an "
+        "inherited CUDA_VISIBLE_DEVICES (e.g. from Slurm; MIG instances by UUID there); "
+        "the trainer sees only that GPU, by UUID",
+    )
     g.add_argument("--device", choices=["cpu"], help="a CPU slot (sees no GPU)")
     p.add_argument(
         "--name",
@@ -67,7 +74,11 @@ def worker_main(argv: list[str]) -> int:
     except (SlotTaken, ValueError) as e:
         print(f"torchyard worker: {e}", file=sys.stderr)
         return 2
-    device = gpu_device(args.gpu) if args.gpu is not None else cpu_device()
+    try:
+        device = gpu_device(args.gpu) if args.gpu is not None else cpu_device()
+    except ValueError as e:
+        print(f"torchyard worker: {e}", file=sys.stderr)
+        return 2
     node = WorkerNode(
         settings,
         wid,

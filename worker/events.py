@@ -34,6 +34,34 @@ PROGRESS_KEYS = ("step", "total_steps", "epoch", "samples_per_s", "eta_s")
 CHECKPOINT_KINDS = ("resume", "weights")
 
 
+def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | None:
+    """The last `error` or `stopped` event of `attempt` that a rank other than 0 wrote to
+    its own file (trainer/eventfiles.py) past byte `start`; None if there is none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            data = f.read(1 << 20)  # a rank writes a line or two per attempt
+    except OSError:
+        return None
+    found = None
+    for line in data.splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(ev, dict)
+            and ev.get("attempt") == attempt
+            and ev.get("type")
+            in (
+                "error",
+                "stopped",
+            )
+        ):
+            found = ev
+    return found
+
+
 class EventTail:
     """New complete JSON lines of an append-only file, from a byte offset on. A line still
     being written stays buffered until its newline arrives."""

@@ -6,8 +6,11 @@ Rules, first match wins:
 - rank 0's `finished` (or exit 0) -> succeeded, even if the worker was stopping by then;
 - the worker stopping, or stopping its trainer after losing the store -> handed back;
 - the job's storage full (exit 5, or an `error` of kind storage_full) -> handed back;
+- an `error` event of kind peer_failed (another rank died first) -> lost, retried; the
+  supervisor first lets the failed rank's worker decide with the real cause;
 - an `error` event -> failed with "kind: message" (nonfinite_loss, data and out_of_memory
-  are deterministic, so the job fails at once; other kinds are retried);
+  are deterministic, so the job fails at once; other kinds are retried). Every rank
+  reports its own error, so a rank that fails alone is classified by its cause;
 - a SIGTERM from outside (a `stopped` event, exit 75) -> handed back;
 - exit 2 (bad spec), 3 (nonfinite loss), 4 (out of memory) -> failed, not retried;
 - SIGKILL by the kernel's OOM killer -> failed as out_of_memory, not retried;
@@ -25,7 +28,7 @@ from typing import Any, NamedTuple
 from store.states import A_CANCELLED, A_FAILED, A_HANDED_BACK, A_LOST, A_SUCCEEDED, CANCELLING
 from trainer import exitcodes
 
-DETERMINISTIC_ERRORS = frozenset({"nonfinite_loss", "data", "out_of_memory"})
+DETERMINISTIC_ERRORS = frozenset({"nonfinite_loss", "data", "out_of_memory", "unsupported"})
 
 # Why the worker itself stopped its trainer (None: it exited on its own).
 STOP_CANCEL, STOP_WORKER, STOP_STORE_LOST = "cancel", "stopping", "store_lost"
@@ -90,6 +93,10 @@ def decide(e: Ending) -> Decision | None:
     if e.error is not None:
         kind = str(e.error.get("kind", "internal"))
         msg = f"{kind}: {e.error.get('message', '')}".strip()
+        if e.rank != 0:
+            msg = f"rank {e.rank}: {msg}"
+        if kind == "peer_failed":
+            return Decision(A_LOST, msg, None, True)
         return Decision(A_FAILED, msg, msg, kind not in DETERMINISTIC_ERRORS)
     if e.stopped or e.rc == exitcodes.PREEMPTED:
         return Decision(

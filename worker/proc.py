@@ -62,7 +62,12 @@ def trainer_argv(launch: Launch) -> list[str]:
 
 
 def trainer_env(
-    *, data_root: Path, cuda_visible: str, threads: int | None = None, attempt: int | None = None
+    *,
+    data_root: Path,
+    cuda_visible: str,
+    threads: int | None = None,
+    attempt: int | None = None,
+    collective_timeout_s: float | None = None,
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     if attempt is not None:
@@ -73,7 +78,12 @@ def trainer_env(
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["TORCHYARD_DATA_ROOT"] = str(data_root)
     env["TORCHYARD_DIE_WITH_PARENT"] = "1"
+    # The pin (a UUID where nvidia-smi gave one: worker/identity.py), and PCI bus order for
+    # any index, so CUDA counts GPUs as nvidia-smi does.
     env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if collective_timeout_s is not None:
+        env["TORCHYARD_COLLECTIVE_TIMEOUT_S"] = f"{collective_timeout_s:g}"
     env["PYTHONUNBUFFERED"] = "1"
     pp = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + pp if pp else "")

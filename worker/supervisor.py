@@ -38,6 +38,7 @@ from store.attempts import (
     A_HANDED_BACK,
     A_LOST,
     ATTEMPT_ACTIVE,
+    attempt_hosts,
     claim_assignment,
     end_assignment,
     finish_attempt,
@@ -53,8 +54,9 @@ from store.models import Attempt, Job
 from store.paths import EVENTS_FILE, LOG_FILE, SPEC_FILE, job_dir
 from store.settings import Settings
 from store.states import CANCELLING
-from worker.events import EventRecorder, EventTail
-from worker.identity import Device
+from trainer.eventfiles import rank_events_file
+from worker.events import EventRecorder, EventTail, last_rank_event
+from worker.identity import Device, is_loopback
 from worker.outcome import (
     STOP_CANCEL,
     STOP_STORE_LOST,
@@ -176,6 +178,10 @@ class Supervision:
         self.fenced = False  # the attempt was ended elsewhere: write nothing more
         self.resume_rel: str | None = None
         self.oom_before: int | None = None
+        # A rank other than 0 writes only its error/stopped events, to its own file, from
+        # this offset on (what is before it is an earlier attempt's).
+        self.rank_events = self.run_dir / rank_events_file(c.rank)
+        self.rank_events_start = 0
 
     def _tx(self, fn: Callable[[Any], T]) -> T:
         with session_scope(self.db) as s:
@@ -217,11 +223,22 @@ class Supervision:
         return tail.offset
 
     def _rendezvous(self) -> tuple[str, int] | None:
-        """Rank 0 publishes host:port; the others wait for it (None: gave up)."""
+        """Rank 0 publishes host:port; the others wait for it (None: gave up). A loopback
+        address for ranks on several hosts is refused (BadEndpoint): they would wait in
+        torchrun's rendezvous until it timed out."""
         if self.c.world_size == 1:
             return None
         if self.c.rank == 0:
             addr, port = self.ctx.advertise_addr, free_port()
+            if is_loopback(addr):
+                hosts = self._tx(lambda s: attempt_hosts(s, self.c.attempt_id))
+                if len(hosts) > 1:
+                    raise BadEndpoint(
+                        f"worker {self.ctx.worker_id} advertises the loopback address {addr} "
+                        f"to ranks on other hosts ({', '.join(hosts)}): set "
+                        "TORCHYARD_ADVERTISE_ADDR (or --advertise-addr) on that worker to an "
+                        "address the other hosts reach"
+                    )
             self._tx(lambda s: set_endpoint(s, self.c.attempt_id, f"{addr}:{port}"))
             return addr, port
         deadline = time.monotonic() + self.ctx.settings.rendezvous_timeout_s
@@ -269,10 +286,16 @@ class Supervision:
             cuda_visible=self.ctx.device.cuda_visible,
             threads=self.ctx.settings.trainer_threads,
             attempt=self.c.attempt_number,
+            collective_timeout_s=self.ctx.settings.collective_timeout_s,
         )
         env.update(self.ctx.extra_env)
         self.tail = EventTail(self.events_path, start)
         self.recorder.offset = start
+        if self.c.rank != 0:
+            try:
+                self.rank_events_start = self.rank_events.stat().st_size
+            except FileNotFoundError:
+                self.rank_events_start = 0
         fd = os.open(self.run_dir / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             self.oom_before = oom_kills()
@@ -422,6 +445,12 @@ class Supervision:
         if self.ctx.store_lost_stop.is_set() and self.stop_why is None:
             self.stop_why = STOP_STORE_LOST
         after = oom_kills()
+        error, stopped = o.error, o.stopped is not None
+        if self.c.rank != 0:  # this rank's own report (rank 0's are in the recorder)
+            mine = last_rank_event(self.rank_events, self.rank_events_start, self.c.attempt_number)
+            if mine is not None and mine.get("type") == "error":
+                error = mine
+            stopped = stopped or (mine is not None and mine.get("type") == "stopped")
         ending = Ending(
             rc=rc,
             rank=self.c.rank,
@@ -429,21 +458,17 @@ class Supervision:
             stop_why=self.stop_why,
             job_state=job_state,
             finished=o.finished,
-            error=o.error,
-            stopped=o.stopped is not None,
+            error=error,
+            stopped=stopped,
             last_step=o.last_step,
             oom_killed=self.oom_before is not None
             and after is not None
             and after > self.oom_before,
         )
         decision = decide(ending)
-        if (
-            decision is not None
-            and self.c.rank != 0
-            and decision.outcome in (A_LOST, A_FAILED)
-            and self.stop_why is None
-        ):
-            # Rank 0 has the events and usually the real error: let it decide first.
+        if decision is not None and self.stop_why is None and peer_decides_first(ending, decision):
+            # Another rank has the real cause (a rank whose peer died reports only that;
+            # a rank that left no report of its own defers to rank 0): let it decide first.
             deadline = time.monotonic() + PEER_DECIDES_S
             while time.monotonic() < deadline:
                 if self._poll_store()[1] not in ATTEMPT_ACTIVE:
@@ -498,6 +523,8 @@ class Supervision:
         return spec_path, resume, master, start
 
     def _launch_failed(self, e: Exception) -> Decision:
+        if isinstance(e, BadEndpoint):  # the worker's setting, not the job: counted, retried
+            return Decision(A_FAILED, str(e), str(e), True)
         why = f"launch failed on worker {self.ctx.worker_id}: {e}"
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             # The storage, not the job: hand it back (not counted) to retry when there is room.
@@ -539,6 +566,20 @@ class Supervision:
             f"trainer {describe_exit(rc)} =====\n"
         )
         self.finish(rc, self._ending(rc))
+
+
+class BadEndpoint(RuntimeError):
+    """Rank 0's rendezvous address cannot work for this attempt's hosts."""
+
+
+def peer_decides_first(e: Ending, d: Decision) -> bool:
+    """Whether this rank should wait for another rank's worker to end the attempt: its
+    trainer failed because a peer did (`peer_failed`), or it is a rank other than 0 that
+    failed without a report of its own."""
+    if d.outcome not in (A_LOST, A_FAILED):
+        return False
+    kind = (e.error or {}).get("kind")
+    return kind == "peer_failed" or (e.rank != 0 and kind is None)
 
 
 def run_assignment(ctx: WorkerContext, assignment_id: int) -> bool:

@@ -12,6 +12,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -155,6 +156,41 @@ def test_world_size_2_matches_world_size_1(cluster: Cluster) -> None:
     _, l1 = c.metrics(one["id"], "val/loss")
     _, l2 = c.metrics(two["id"], "val/loss")
     assert abs(l1[-1] - l2[-1]) < 1e-3
+
+
+def test_a_rank_that_fails_alone_fails_the_job_once_with_its_cause(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Rank 1's host lacks the data set. Its trainer used to exit 1 without a word to its
+    worker, which counted a retryable failure: the job ran max_restarts + 1 times while
+    rank 0 hung in a collective. Now rank 1 reports `data` to its own worker, the job fails
+    at once, and rank 0 (whose peer is gone) is stopped."""
+    import importlib.util
+
+    lib = Path(__file__).resolve().parents[1] / "trainer" / "trainer_testlib.py"
+    spec_ = importlib.util.spec_from_file_location("trainer_testlib_e2e", lib)
+    assert spec_ is not None and spec_.loader is not None
+    testlib = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(testlib)
+    c = cluster
+    testlib.write_mnist(Path(c.settings().data), n_train=600, n_test=100, gz=True)
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    c.kill("w1", signal.SIGTERM)
+    c.procs["w1"].wait(timeout=60)
+    c.start_worker("w1", env={"TORCHYARD_DATA_ROOT": str(empty)})
+    try:
+        c.wait_workers(2)
+        job = c.submit(dict(DIGITS, data={"name": "mnist"}, world_size=2, max_restarts=2))
+        done = c.wait_state(job["id"], "failed", timeout=120)
+        assert len(done["attempts"]) == 1, done["attempts"]  # not retried: deterministic
+        assert done["error"].startswith("rank 1: data:") and "mnist" in done["error"].lower()
+        c.wait_workers(2)  # rank 0's trainer did not hang: both workers are free again
+    finally:
+        c.kill("w1", signal.SIGTERM)
+        c.procs["w1"].wait(timeout=60)
+        c.start_worker("w1")
+        c.wait_workers(2)
 
 
 def test_big_gang_waits_without_blocking_a_small_job(cluster: Cluster) -> None:

@@ -271,3 +271,46 @@ def test_two_schedulers_never_double_assign_on_postgres(pg_fresh_url: str) -> No
 def test_two_schedulers_never_double_assign_on_sqlite(sqlite_url: str) -> None:
     busy, _ = _race(sqlite_url, n_workers=12, n_jobs=30, schedulers=2)
     assert busy > 9
+
+
+def _register(s: Session, wid: str, device: str = "cpu", name: str | None = None) -> None:
+    # The worker's real registration path, reporting a GPU without touching CUDA.
+    gpu = 0 if device == "cuda" else None
+    info = WorkerInfo(id=wid, host="h1", pid=2, queue=f"q.{wid}", device=device, gpu=gpu,
+                      device_name=name)  # fmt: skip
+    register_worker(s, info)
+    s.commit()
+
+
+def test_a_gang_never_mixes_cpu_and_gpu_workers_or_gpu_models(session: Session) -> None:
+    s = session
+    _register(s, "cpu0")
+    _register(s, "gpu0", "cuda", "NVIDIA H100 80GB HBM3")
+    pair = make_job(s, world_size=2, age_s=5)
+    assert run_pass(s) == []
+    why = reason(s, pair)
+    assert why is not None and "of one kind" in why and "never mixes CPU and GPU" in why
+    assert "1 cpu" in why and "1 NVIDIA H100 80GB HBM3" in why
+    # Another GPU of another model: still no gang of two alike.
+    _register(s, "gpu1", "cuda", "Tesla V100-SXM2-16GB")
+    assert run_pass(s) == []
+    # A second H100: the pair runs on the two H100s, never on the CPU or the V100.
+    _register(s, "gpu2", "cuda", "NVIDIA H100 80GB HBM3")
+    out = run_pass(s)
+    assert {d.worker_id for d in out} == {"gpu0", "gpu2"} and {d.job_id for d in out} == {pair.id}
+
+
+def test_two_cpu_workers_gang_while_a_gpu_is_idle(session: Session) -> None:
+    s = session
+    _register(s, "gpu0", "cuda", "NVIDIA H100 80GB HBM3")
+    _register(s, "cpu0")
+    _register(s, "cpu1")
+    single = make_job(s, world_size=1, age_s=6)
+    pair = make_job(s, world_size=2, age_s=5)
+    out = run_pass(s)
+    by_job = {d.job_id: set() for d in out}
+    for d in out:
+        by_job[d.job_id].add(d.worker_id)
+    # The one-rank job takes the kind with the fewest idle (the lone GPU), keeping the
+    # CPU pair whole for the job that needs two alike.
+    assert by_job == {single.id: {"gpu0"}, pair.id: {"cpu0", "cpu1"}}

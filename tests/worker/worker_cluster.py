@@ -141,12 +141,14 @@ class Cluster:
 
     # ---- processes ---------------------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
         p = subprocess.Popen(
             [sys.executable, "-m", "torchyard", *args],
             cwd=ROOT,
-            env=self.env,
+            env=self.env | (env or {}),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -179,8 +181,8 @@ class Cluster:
         self.wait_workers(workers)
         return self
 
-    def start_worker(self, name: str) -> subprocess.Popen[bytes]:
-        return self._spawn(name, ["worker", "--device", "cpu", "--name", name])
+    def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        return self._spawn(name, ["worker", "--device", "cpu", "--name", name], env)
 
     def wait_workers(
         self, n: int, state: str = "idle", timeout: float = 60
