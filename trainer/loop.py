@@ -449,7 +449,7 @@ def set_determinism(deterministic: bool, device: torch.device) -> None:
         # cuBLAS needs a fixed workspace to be deterministic; read when its handle is made,
         # i.e. at the first matmul, which is still to come.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(deterministic)  # both ways: runs in one process
     fast = device.type == "cuda" and not deterministic
     torch.backends.cudnn.benchmark = fast
     torch.backends.cudnn.deterministic = deterministic

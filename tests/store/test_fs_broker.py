@@ -15,23 +15,18 @@ from typing import Any
 
 import pytest
 
-from store.broker import use_fixed_filesystem_transport
+from store.broker import transport_options, use_fixed_filesystem_transport
 
 PRODUCERS, CONSUMERS, EACH = 4, 3, 250
 QUEUE = "hammer"
 
 
 def _options(root: Path) -> dict[str, Any]:
-    for sub in ("queue", "processed", "control"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    return {
-        "data_folder_in": str(root / "queue"),
-        "data_folder_out": str(root / "queue"),
-        "processed_folder": str(root / "processed"),
-        "control_folder": str(root / "control"),
-        "store_processed": False,
-        "polling_interval": 0.005,
-    }
+    """The embedded broker's own options (store/broker.py), in `root`, polled faster."""
+    from store.settings import Settings
+
+    settings = Settings(_env_file=None, home=root)  # type: ignore[call-arg]
+    return transport_options(settings) | {"polling_interval": 0.005}
 
 
 def _connection(root: Path) -> Any:
@@ -79,7 +74,9 @@ def test_concurrent_producers_and_consumers_lose_and_double_nothing(tmp_path: Pa
         # Drained: no message file is left in the queue folder.
         deadline = 120.0
         t0 = time.monotonic()
-        while any(n.endswith(f"{QUEUE}.msg") for n in os.listdir(tmp_path / "queue")):
+        while any(
+            n.endswith(f"{QUEUE}.msg") for n in os.listdir(_options(tmp_path)["data_folder_in"])
+        ):
             assert time.monotonic() - t0 < deadline, "consumers stopped draining"
             assert all(c.is_alive() for c in consumers), "a consumer died"
             time.sleep(0.05)
@@ -96,7 +93,7 @@ def test_concurrent_producers_and_consumers_lose_and_double_nothing(tmp_path: Pa
 def test_a_message_being_written_is_invisible_and_a_bad_one_is_skipped(tmp_path: Path) -> None:
     with _connection(tmp_path) as conn:
         q = conn.SimpleQueue(QUEUE)
-        folder = tmp_path / "queue"
+        folder = Path(_options(tmp_path)["data_folder_in"])
         # What a producer mid-write leaves: a hidden temporary file (never a .msg).
         (folder / ".tmp-0123abcd").write_bytes(b'{"body": "half')
         # A damaged message (e.g. written by kombu's own transport and read too early).
