@@ -14,10 +14,12 @@ import contextlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -173,13 +175,32 @@ def test_nothing_lost_nothing_stuck_under_faults(
         final = {j: c.tolerant_get(f"/v1/jobs/{j}") for j in jobs}
         return final if all(v["state"] in terminal for v in final.values()) else None
 
-    final = wait_for(all_ended, 600, "every job to end", every=1.0)
+    try:
+        final = wait_for(all_ended, 420, "every job to end", every=1.0)
+    except TimeoutError:
+        for j in jobs:  # what each job that did not end is waiting for
+            v = c.tolerant_get(f"/v1/jobs/{j}")
+            if v["state"] not in terminal:
+                last = v["attempts"][-1] if v["attempts"] else {}
+                log(f"not ended: {j} {jobs[j]} {v['state']} pending={v.get('pending_reason')!r} "
+                    f"attempt={ {k: last.get(k) for k in ('number', 'state', 'reason', 'workers')} }")  # fmt: skip
+        log(
+            f"workers: { {w: (x['state'], x.get('current_job_id')) for w, x in c.workers().items()} }"
+        )
+        raise
     for j, v in final.items():
         v["_ref"] = jobs[j]
     references = {k: f.result() for k, f in refs.items()}
     refs_pool.shutdown()
 
     report = check(c.pg.url(), c.storage_root, final, references)
+    numbers = re.compile(r"[0-9a-f]{32}|\d+(\.\d+)?")
+    endings = Counter(
+        f"{a['state']}: {numbers.sub('#', a.get('reason') or '')[:90]}"
+        for v in final.values()
+        for a in v["attempts"]
+    )
+    log("attempt endings: " + "; ".join(f"{n}x {k}" for k, n in endings.most_common(8)))
     leftover = leftover_trainers(c.storage_root)
 
     def busy_now() -> list[str]:
