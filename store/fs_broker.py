@@ -33,6 +33,9 @@ from kombu.utils.json import dumps, loads
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"  # never matches a queue's "<stamp>_<uuid>.<queue>.msg" pattern
+# A producer killed between write and rename leaves its temporary file: removed once older
+# than this (no write takes minutes).
+STALE_TMP_S = 300.0
 
 
 class Channel(filesystem.Channel):
@@ -53,6 +56,9 @@ class Channel(filesystem.Channel):
         wanted = f"{queue}.msg"
         taken_dir = self.processed_folder
         for filename in sorted(os.listdir(self.data_folder_in)):
+            if filename.startswith(TMP_PREFIX):
+                self._drop_if_stale(os.path.join(self.data_folder_in, filename))
+                continue
             if filename.startswith(".") or filename.partition(".")[2] != wanted:
                 continue
             taken = os.path.join(taken_dir, f"{filename}.{uuid.uuid4().hex[:8]}")
@@ -72,6 +78,12 @@ class Channel(filesystem.Channel):
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 log.error("embedded broker: skipping unreadable message %s (%s)", filename, e)
         raise filesystem.Empty()
+
+    @staticmethod
+    def _drop_if_stale(path: str) -> None:
+        with contextlib.suppress(OSError):  # gone already, or another consumer's doing
+            if time.time() - os.stat(path).st_mtime > STALE_TMP_S:
+                os.unlink(path)
 
     def get_table(self, exchange: str) -> list[Any]:
         # A binding file is created empty and then written under a lock the reader may

@@ -105,4 +105,11 @@ def test_a_message_being_written_is_invisible_and_a_bad_one_is_skipped(tmp_path:
         with pytest.raises(queue.Empty):
             q.get(timeout=0.2)
         assert (folder / ".tmp-0123abcd").exists()  # not consumed
+        # One a killed producer left long ago is cleaned up by the next poll.
+        old = folder / ".tmp-deadbeef"
+        old.write_bytes(b"{")
+        os.utime(old, (time.time() - 3600, time.time() - 3600))
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.2)
+        assert not old.exists() and (folder / ".tmp-0123abcd").exists()
         q.close()
