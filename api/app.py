@@ -15,14 +15,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import errors
-from api.deps import TokenCache
-from api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
-from api.routers import checkpoints, health, job_data, jobs, workers
-from store.db import make_engine
-from store.inventory import job_counts, worker_counts
-from store.settings import Settings, get_settings
-from trainer.spec import JobSpec
+from torchyard.api import errors
+from torchyard.api.deps import TokenCache
+from torchyard.api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
+from torchyard.api.routers import checkpoints, health, job_data, jobs, workers
+from torchyard.store.db import make_engine
+from torchyard.store.inventory import job_counts, worker_counts
+from torchyard.store.settings import Settings, get_settings
+from torchyard.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ def main(argv: list[str]) -> int:
 
     import uvicorn
 
-    from api.app import create_app
-    from store.settings import get_settings
+    from torchyard.api.app import create_app
+    from torchyard.store.settings import get_settings
 
     settings = get_settings()  # validated now, so a bad variable fails before binding
     uvicorn.run(

@@ -17,10 +17,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.errors import ApiError
-from store.auth import hash_token, user_for_token
-from store.jobs import Viewer
-from store.settings import Settings
+from torchyard.api.errors import ApiError
+from torchyard.store.auth import hash_token, user_for_token
+from torchyard.store.jobs import Viewer
+from torchyard.store.settings import Settings
 
 TOKEN_CACHE_TTL_S = 5.0
 TOKEN_CACHE_MAX = 10_000

@@ -16,8 +16,8 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.schemas import ErrorBody
-from store.states import IllegalTransition
+from torchyard.api.schemas import ErrorBody
+from torchyard.store.states import IllegalTransition
 
 log = logging.getLogger(__name__)
 

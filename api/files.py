@@ -14,7 +14,7 @@ from typing import BinaryIO
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 
-from api.errors import ApiError
+from torchyard.api.errors import ApiError
 
 CHUNK = 1 << 20
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")

@@ -6,10 +6,17 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from api.schemas import AttemptOut, AttemptWorker, JobOut, JobSummary, MetricPoint, Progress
-from store.jobs import attempts_of
-from store.metrics import latest_metrics
-from store.models import Job
+from torchyard.api.schemas import (
+    AttemptOut,
+    AttemptWorker,
+    JobOut,
+    JobSummary,
+    MetricPoint,
+    Progress,
+)
+from torchyard.store.jobs import attempts_of
+from torchyard.store.metrics import latest_metrics
+from torchyard.store.models import Job
 
 
 def _progress(job: Job) -> Progress | None:

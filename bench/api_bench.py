@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from sqlalchemy import create_engine, insert, text  # noqa: E402
 
-from store.auth import create_token  # noqa: E402
-from store.db import dispose_engines, session_scope  # noqa: E402
-from store.metrics import query_series, rebuild_blocks  # noqa: E402
-from store.migrate import upgrade  # noqa: E402
-from store.models import Attempt, Job, JobEvent, utcnow  # noqa: E402
+from torchyard.store.auth import create_token  # noqa: E402
+from torchyard.store.db import dispose_engines, session_scope  # noqa: E402
+from torchyard.store.metrics import query_series, rebuild_blocks  # noqa: E402
+from torchyard.store.migrate import upgrade  # noqa: E402
+from torchyard.store.models import Attempt, Job, JobEvent, utcnow  # noqa: E402
 
 SPEC = {
     "model": {"name": "mlp", "hidden": [128]},
@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 def populate(url: str, n_jobs: int, n_points: int) -> tuple[str, list[str], str]:
-    from trainer.spec import parse_spec, spec_to_dict
+    from torchyard.trainer.spec import parse_spec, spec_to_dict
 
     spec = spec_to_dict(parse_spec(SPEC))
     with session_scope(url) as s:

@@ -8,7 +8,7 @@ Starts `torchyard api`, `torchyard scheduler` and one CPU worker as processes, t
    - dispatch: POST /v1/jobs returned -> the trainer process exists (the worker records
      the attempt's started_at right after the trainer's fork/exec), p50 / p95;
    - first metric: POST returned -> the first metric row is in the store;
-2. runs one longer spec standalone (`python -m trainer`) and under the worker, alternating
+2. runs one longer spec standalone (`python -m torchyard.trainer`) and under the worker, alternating
    --repeats times, and compares the trainer's own samples/s (its `finished` event).
 Goals: dispatch p50 <= 150 ms; supervision overhead <= 3 %.
 """
@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "worker")]
 from sqlalchemy import create_engine, func, select, text  # noqa: E402
 from worker_cluster import Cluster, wait_for  # noqa: E402
 
-from store.models import Attempt, Metric  # noqa: E402
+from torchyard.store.models import Attempt, Metric  # noqa: E402
 
 TINY: dict[str, Any] = {
     "model": {"name": "mlp", "hidden": [32]},
@@ -110,7 +110,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def throughput(c: Cluster, repeats: int, tmp: Path) -> dict[str, list[float]]:
-    from store.paths import EVENTS_FILE, job_dir
+    from torchyard.store.paths import EVENTS_FILE, job_dir
 
     res: dict[str, list[float]] = {"standalone": [], "worker": [], "worker_cpu_share": []}
     worker_pid = c.procs["w0"].pid
@@ -120,7 +120,7 @@ def throughput(c: Cluster, repeats: int, tmp: Path) -> dict[str, list[float]]:
     for r in range(repeats):
         run_dir = tmp / f"standalone-{r}"
         subprocess.run(
-            [sys.executable, "-m", "trainer", "--spec", str(spec_path), "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "torchyard.trainer", "--spec", str(spec_path), "--run-dir", str(run_dir)],
             env=env,
             check=True,
             stdout=subprocess.DEVNULL,
@@ -174,7 +174,7 @@ def main() -> int:
         c.stop()
         shutil.rmtree(tmp, ignore_errors=True)
         if db_name:
-            from store.db import dispose_engines
+            from torchyard.store.db import dispose_engines
 
             dispose_engines()
             with admin.connect() as conn:

@@ -13,7 +13,7 @@ CIFAR-10 python batches), then times, for each model:
               the running loss read with .item() every step;
   (b) tensors a hand-written loop over the data preloaded as normalised tensors, shuffled
               by index, the same model and optimizer: the floor the trainer should reach;
-  (c) trainer the trainer's own loop (trainer.loop.run, which `python -m trainer` runs) on
+  (c) trainer the trainer's own loop (trainer.loop.run, which `python -m torchyard.trainer` runs) on
               the same spec (fp32), in this process, with its events file and an
               end-of-epoch checkpoint on; timed from its `started` event to its last
               end-of-epoch checkpoint event (the steps, metric events and checkpoint writes;
@@ -193,13 +193,13 @@ def _rates(n: int, wall: float, cpu: float) -> dict:
 
 
 def trainer_run(data_root: Path, run_dir: Path, model: dict, data: str, epochs: int) -> dict:
-    """(c) The trainer's own loop (trainer.loop.run, what `python -m trainer` calls), in this
+    """(c) The trainer's own loop (trainer.loop.run, what `python -m torchyard.trainer` calls), in this
     process so that CPU time can be read, writing its real events file and checkpoints.
     Timed from its `started` event to its last end-of-epoch checkpoint event."""
-    from trainer.distributed import Dist
-    from trainer.events import JsonlEvents
-    from trainer.loop import Run, run
-    from trainer.spec import parse_spec
+    from torchyard.trainer.distributed import Dist
+    from torchyard.trainer.events import JsonlEvents
+    from torchyard.trainer.loop import Run, run
+    from torchyard.trainer.spec import parse_spec
 
     spec = parse_spec(
         {

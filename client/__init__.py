@@ -1,6 +1,6 @@
 """torchyard's Python SDK and CLI client. HTTP only: nothing here imports server code."""
 
-from client.errors import (
+from torchyard.client.errors import (
     APIError,
     BadRequest,
     ChecksumError,
@@ -13,7 +13,14 @@ from client.errors import (
     Unauthorized,
     Unavailable,
 )
-from client.sdk import DEFAULT_URL, TERMINAL_STATES, Client, Download, load_spec, resolve_config
+from torchyard.client.sdk import (
+    DEFAULT_URL,
+    TERMINAL_STATES,
+    Client,
+    Download,
+    load_spec,
+    resolve_config,
+)
 
 __all__ = [
     "DEFAULT_URL",

@@ -20,9 +20,9 @@ from typing import Any, TextIO
 
 import httpx
 
-from client import render
-from client.errors import APIError, ConnectError, NotFound, TorchyardError
-from client.sdk import TERMINAL_STATES, Client, Download, load_spec
+from torchyard.client import render
+from torchyard.client.errors import APIError, ConnectError, NotFound, TorchyardError
+from torchyard.client.sdk import TERMINAL_STATES, Client, Download, load_spec
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _FULL_ID = re.compile(r"^[0-9a-f]{32}$")

@@ -1,6 +1,6 @@
 """The torchyard Python SDK: a thin, typed layer over the REST API (HTTP only, no server code).
 
-    from client import Client
+    from torchyard.client import Client
 
     with Client() as ty:                      # URL/token from env or $TORCHYARD_HOME/admin-token
         job = ty.submit(load_spec("examples/digits.json"))
@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import httpx
 
-from client.errors import ChecksumError, ConnectError, SpecFileError, error_for
+from torchyard.client.errors import ChecksumError, ConnectError, SpecFileError, error_for
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})

@@ -15,10 +15,10 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from store.lifecycle import counted_failures, fence, finish_attempt
-from store.models import Assignment, Attempt, Checkpoint, Job, Worker, utcnow
-from store.paths import UnsafePath, resolve_inside
-from store.states import (
+from torchyard.store.lifecycle import counted_failures, fence, finish_attempt
+from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, Worker, utcnow
+from torchyard.store.paths import UnsafePath, resolve_inside
+from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
     A_HANDED_BACK,

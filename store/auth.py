@@ -12,7 +12,7 @@ import secrets
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from store.models import ApiToken, User
+from torchyard.store.models import ApiToken, User
 
 TOKEN_PREFIX = "ty_"
 

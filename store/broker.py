@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from store.settings import Settings
+from torchyard.store.settings import Settings
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -53,7 +53,7 @@ def use_fixed_filesystem_transport() -> None:
     """`filesystem://` means store/fs_broker.py (kombu's transport without its races)."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    TRANSPORT_ALIASES["filesystem"] = "store.fs_broker:Transport"
+    TRANSPORT_ALIASES["filesystem"] = "torchyard.store.fs_broker:Transport"
 
 
 def make_celery(settings: Settings) -> Celery:

@@ -7,8 +7,8 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from store.models import Checkpoint
-from store.paths import UnsafePath, job_dir, resolve_inside
+from torchyard.store.models import Checkpoint
+from torchyard.store.paths import UnsafePath, job_dir, resolve_inside
 
 
 def record_checkpoint(

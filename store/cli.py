@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from store.settings import get_settings
+from torchyard.store.settings import get_settings
 
 
 def db_main(argv: list[str]) -> int:
@@ -17,7 +17,7 @@ def db_main(argv: list[str]) -> int:
     sub.add_parser("current", help="print the schema revision the database is at")
     args = parser.parse_args(argv)
 
-    from store import migrate
+    from torchyard.store import migrate
 
     url = get_settings().db_url
     if args.action == "upgrade":
@@ -36,8 +36,8 @@ def token_main(argv: list[str]) -> int:
     create.add_argument("--admin", action="store_true", help="the user sees every job")
     args = parser.parse_args(argv)
 
-    from store.auth import create_token
-    from store.db import session_scope
+    from torchyard.store.auth import create_token
+    from torchyard.store.db import session_scope
 
     if not 1 <= len(args.user) <= 100:
         parser.error("--user must be 1 to 100 characters")

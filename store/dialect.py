@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import utcnow
+from torchyard.store.models import utcnow
 
 
 def is_postgres(session: Session) -> bool:

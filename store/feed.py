@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from store.models import Checkpoint, Job, JobEvent, Metric
-from store.states import TERMINAL
+from torchyard.store.models import Checkpoint, Job, JobEvent, Metric
+from torchyard.store.states import TERMINAL
 
 _CURSOR = re.compile(r"^(\d{1,19})-(\d{1,19})-(\d{1,19})$")
 

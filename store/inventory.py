@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import Job, Worker
+from torchyard.store.models import Job, Worker
 
 
 def list_workers(session: Session) -> list[Worker]:

@@ -19,8 +19,8 @@ from sqlalchemy import JSON, and_, literal_column, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from store.models import Assignment, Attempt, IdempotencyKey, Job, JobEvent, User, utcnow
-from store.states import (
+from torchyard.store.models import Assignment, Attempt, IdempotencyKey, Job, JobEvent, User, utcnow
+from torchyard.store.states import (
     CANCELLED,
     CANCELLING,
     QUEUED,

@@ -21,9 +21,9 @@ from __future__ import annotations
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from store.dialect import is_postgres
-from store.models import Assignment, Attempt, Job, utcnow
-from store.states import (
+from torchyard.store.dialect import is_postgres
+from torchyard.store.models import Assignment, Attempt, Job, utcnow
+from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
     A_HANDED_BACK,

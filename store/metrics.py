@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
-from store.models import Metric, MetricBlock
+from torchyard.store.models import Metric, MetricBlock
 
 INGEST_CHUNK = 500
 # Rollup levels (steps per block), finest first: see store.models.MetricBlock.

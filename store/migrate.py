@@ -31,7 +31,7 @@ def current(database_url: str) -> str | None:
     """The revision the database is at (None when never migrated)."""
     from alembic.runtime.migration import MigrationContext
 
-    from store.db import make_engine
+    from torchyard.store.db import make_engine
 
     engine = make_engine(database_url)
     try:

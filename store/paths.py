@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trainer.eventfiles import EVENTS_FILE
+from torchyard.trainer.eventfiles import EVENTS_FILE
 
 __all__ = ["EVENTS_FILE", "LOG_FILE", "SPEC_FILE", "UnsafePath", "job_dir", "resolve_inside"]
 

@@ -31,11 +31,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from store.attempts import assignments_of, create_attempt
-from store.dialect import db_now, is_postgres
-from store.models import Job, Worker, utcnow
-from store.states import QUEUED, STARTING, IllegalTransition, transition
-from store.workers import BUSY, IDLE, LIVE, stale_cutoff
+from torchyard.store.attempts import assignments_of, create_attempt
+from torchyard.store.dialect import db_now, is_postgres
+from torchyard.store.models import Job, Worker, utcnow
+from torchyard.store.states import QUEUED, STARTING, IllegalTransition, transition
+from torchyard.store.workers import BUSY, IDLE, LIVE, stale_cutoff
 
 RESERVE_AFTER_S = 300.0
 SCAN_LIMIT = 1000

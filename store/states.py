@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from store.models import Job, JobEvent, utcnow
+from torchyard.store.models import Job, JobEvent, utcnow
 
 QUEUED, STARTING, RUNNING = "queued", "starting", "running"
 SUCCEEDED, FAILED, CANCELLING, CANCELLED = "succeeded", "failed", "cancelling", "cancelled"

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from store.attempts import (
+from torchyard.store.attempts import (
     A_HANDED_BACK,
     A_LOST,
     ATTEMPT_ACTIVE,
@@ -23,8 +23,8 @@ from store.attempts import (
     lose_worker_assignments,
     unclaimed_since,
 )
-from store.dialect import db_now, db_now_value, is_postgres
-from store.models import Assignment, Attempt, Worker, utcnow
+from torchyard.store.dialect import db_now, db_now_value, is_postgres
+from torchyard.store.models import Assignment, Attempt, Worker, utcnow
 
 IDLE, BUSY, LOST, STOPPED = "idle", "busy", "lost", "stopped"
 LIVE = (IDLE, BUSY)

@@ -51,7 +51,7 @@ def pg_url() -> Iterator[str]:
     try:
         yield f"{base}/{name}"
     finally:
-        from store.db import dispose_engines
+        from torchyard.store.db import dispose_engines
 
         dispose_engines()
         with admin.connect() as c:

@@ -9,19 +9,19 @@ import sys
 # command -> (module, function, one-line help). Each function takes argv (after the command).
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("torchyard.up", "main", "start the API, the scheduler and N workers in one command"),
-    "api": ("api.cli", "main", "serve the REST API"),
-    "scheduler": ("worker.cli", "scheduler_main", "run the scheduler (control queue consumer)"),
-    "worker": ("worker.cli", "worker_main", "run one worker pinned to a GPU (or --device cpu)"),
-    "db": ("store.cli", "db_main", "database administration: `db upgrade`"),
-    "token": ("store.cli", "token_main", "API tokens: `token create --user NAME [--admin]`"),
-    "submit": ("client.cli", "main", "submit a job spec (JSON or YAML)"),
-    "status": ("client.cli", "main", "show a job"),
-    "list": ("client.cli", "main", "list jobs"),
-    "cancel": ("client.cli", "main", "cancel a job"),
-    "logs": ("client.cli", "main", "show a job's log"),
-    "metrics": ("client.cli", "main", "show a job's metrics"),
-    "download": ("client.cli", "main", "download a checkpoint"),
-    "workers": ("client.cli", "main", "list workers"),
+    "api": ("torchyard.api.cli", "main", "serve the REST API"),
+    "scheduler": ("torchyard.worker.cli", "scheduler_main", "run the scheduler (control queue consumer)"),
+    "worker": ("torchyard.worker.cli", "worker_main", "run one worker pinned to a GPU (or --device cpu)"),
+    "db": ("torchyard.store.cli", "db_main", "database administration: `db upgrade`"),
+    "token": ("torchyard.store.cli", "token_main", "API tokens: `token create --user NAME [--admin]`"),
+    "submit": ("torchyard.client.cli", "main", "submit a job spec (JSON or YAML)"),
+    "status": ("torchyard.client.cli", "main", "show a job"),
+    "list": ("torchyard.client.cli", "main", "list jobs"),
+    "cancel": ("torchyard.client.cli", "main", "cancel a job"),
+    "logs": ("torchyard.client.cli", "main", "show a job's log"),
+    "metrics": ("torchyard.client.cli", "main", "show a job's metrics"),
+    "download": ("torchyard.client.cli", "main", "download a checkpoint"),
+    "workers": ("torchyard.client.cli", "main", "list workers"),
 }
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     module, func, _ = COMMANDS[cmd]
     fn = getattr(importlib.import_module(module), func)
     # Client commands parse the command name themselves; server commands get the rest.
-    rc = fn(argv) if module == "client.cli" else fn(argv[1:])
+    rc = fn(argv) if module == "torchyard.client.cli" else fn(argv[1:])
     return int(rc or 0)
 
 

@@ -140,7 +140,7 @@ class Up:
     # -- set-up ---------------------------------------------------------------------------------
 
     def run(self) -> int:
-        from store.settings import Settings
+        from torchyard.store.settings import Settings
 
         try:
             settings = Settings()
@@ -172,7 +172,7 @@ class Up:
             raise UpError(f"port {port} on {host} is in use; pick another with --port")
         say(f"home     {home}")
         say(f"database {_redact(settings.db_url)}")
-        from store.migrate import upgrade
+        from torchyard.store.migrate import upgrade
 
         try:
             upgrade(settings.db_url)
@@ -379,8 +379,8 @@ class Up:
 def ensure_admin_token(settings: Any, home: Path) -> str:
     """The admin token in `home/admin-token`, created (mode 0600) when missing or no longer
     known to the database (e.g. the database was reset)."""
-    from store.auth import create_token, user_for_token
-    from store.db import session_scope
+    from torchyard.store.auth import create_token, user_for_token
+    from torchyard.store.db import session_scope
 
     path = home / "admin-token"
     if path.exists():

@@ -1,6 +1,6 @@
 """torchyard's training engine: spec → data, model, AMP, DDP, checkpoints, events.
 
-Run it with `python -m trainer` or `torchrun -m trainer` (see trainer/cli.py). This
+Run it with `python -m torchyard.trainer` or `torchrun -m torchyard.trainer` (see trainer/cli.py). This
 package file imports nothing, so `trainer.spec` and `trainer.exitcodes` load without torch.
 
     spec.py         the v1 job spec (pydantic only) and missing_dataset_files()

@@ -1,9 +1,9 @@
-"""`python -m trainer …` / `torchrun … -m trainer …`: see trainer/cli.py."""
+"""`python -m torchyard.trainer …` / `torchrun … -m torchyard.trainer …`: see trainer/cli.py."""
 
 import os
 import sys
 
-from trainer.cli import main
+from torchyard.trainer.cli import main
 
 code = main()
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:

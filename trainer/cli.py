@@ -1,10 +1,10 @@
-"""`python -m trainer --spec SPEC.json --run-dir DIR [--resume CKPT|latest]`.
+"""`python -m torchyard.trainer --spec SPEC.json --run-dir DIR [--resume CKPT|latest]`.
 
 Under torchrun every rank runs this same command:
 
-    torchrun --standalone --nproc_per_node=2 -m trainer --spec spec.json --run-dir runs/a
+    torchrun --standalone --nproc_per_node=2 -m torchyard.trainer --spec spec.json --run-dir runs/a
     torchrun --nnodes=2 --node_rank=R --nproc_per_node=1 --rdzv_backend=c10d \\
-        --rdzv_endpoint=HOST:PORT -m trainer --spec spec.json --run-dir runs/a
+        --rdzv_endpoint=HOST:PORT -m torchyard.trainer --spec spec.json --run-dir runs/a
 
 The exit status is one of trainer/exitcodes.py. A bad spec, command line or
 TORCHYARD_ATTEMPT (the worker's attempt number, stamped on every event: trainer/events.py)
@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from trainer import exitcodes
-from trainer.events import attempt_from_env
-from trainer.lease import LeaseError, watch_lease
-from trainer.signals import StopFlag
-from trainer.spec import JobSpec, SpecError, parse_spec, spec_to_dict
+from torchyard.trainer import exitcodes
+from torchyard.trainer.events import attempt_from_env
+from torchyard.trainer.lease import LeaseError, watch_lease
+from torchyard.trainer.signals import StopFlag
+from torchyard.trainer.spec import JobSpec, SpecError, parse_spec, spec_to_dict
 
 PR_SET_PDEATHSIG = 1
 
@@ -39,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m trainer", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m torchyard.trainer", description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", required=True, type=Path, help="job spec JSON (trainer.spec.JobSpec)")
     p.add_argument(
         "--run-dir", required=True, type=Path, help="events, checkpoints and weights go here"
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir: Path = args.run_dir
     resume: Path | None = None
     if args.resume == "latest":
-        from trainer.checkpoint import latest_checkpoint
+        from torchyard.trainer.checkpoint import latest_checkpoint
 
         resume = latest_checkpoint(run_dir)
     elif args.resume:
@@ -125,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             return exitcodes.BAD_SPEC
 
     # Torch loads only now: a bad spec is refused without it.
-    from trainer import distributed
-    from trainer.data import data_root_from_env
-    from trainer.envinfo import environment
-    from trainer.events import EVENTS_FILE, JsonlEvents, RankEvents, rank_events_file
-    from trainer.loop import Run, run
+    from torchyard.trainer import distributed
+    from torchyard.trainer.data import data_root_from_env
+    from torchyard.trainer.envinfo import environment
+    from torchyard.trainer.events import EVENTS_FILE, JsonlEvents, RankEvents, rank_events_file
+    from torchyard.trainer.loop import Run, run
 
     stop = StopFlag()
     _install_stop_handlers(stop)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from trainer.spec import DATASET_FILES, DataSpec, dataset_file, missing_dataset_files
+from torchyard.trainer.spec import DATASET_FILES, DataSpec, dataset_file, missing_dataset_files
 
 # The validation split of sets without a test split is fixed (not drawn from the job's seed),
 # so jobs with different seeds are compared on the same held-out samples.

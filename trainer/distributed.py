@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import wire
+from torchyard.trainer import wire
 
 # A sanity bound on what one rank may announce it sends (RNG states are ~10 KB).
 MAX_GATHER_BYTES = 1 << 30

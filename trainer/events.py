@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.eventfiles import EVENTS_FILE, RANK_EVENTS, rank_events_file
+from torchyard.trainer.eventfiles import EVENTS_FILE, RANK_EVENTS, rank_events_file
 
 __all__ = ["EVENTS_FILE", "rank_events_file"]
 ATTEMPT_ENV = "TORCHYARD_ATTEMPT"

@@ -1,4 +1,4 @@
-"""Exit codes of `python -m trainer` / each torchrun rank.
+"""Exit codes of `python -m torchyard.trainer` / each torchrun rank.
 
 Torch-free and import-free, so the worker can map an exit status to an outcome
 without loading the trainer. Under torchrun the launcher's own exit status is

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import exitcodes
+from torchyard.trainer import exitcodes
 
 # Messages that mean an allocation failed, whatever the exception's type.
 OOM_MARKERS = (

@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 
-from trainer import exitcodes
-from trainer.signals import StopFlag
+from torchyard.trainer import exitcodes
+from torchyard.trainer.signals import StopFlag
 
 ENV_FILE, ENV_STOP, ENV_KILL = (
     "TORCHYARD_LEASE_FILE",

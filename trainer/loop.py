@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import exitcodes
-from trainer.checkpoint import (
+from torchyard.trainer import exitcodes
+from torchyard.trainer.checkpoint import (
     WEIGHTS_FILE,
     Written,
     capture_rng,
@@ -41,8 +41,8 @@ from trainer.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from trainer.data import Batches, DataError, load_dataset
-from trainer.distributed import (
+from torchyard.trainer.data import Batches, DataError, load_dataset
+from torchyard.trainer.distributed import (
     Dist,
     all_reduce_sum,
     autocast_dtype,
@@ -50,13 +50,13 @@ from trainer.distributed import (
     gather_to_main,
     resolve_precision,
 )
-from trainer.envinfo import versions
-from trainer.events import EventSink
-from trainer.failures import classify
-from trainer.models import build_model
-from trainer.optim import build_optimizer, lr_schedule, set_lr
-from trainer.signals import StopFlag
-from trainer.spec import JobSpec, spec_to_dict
+from torchyard.trainer.envinfo import versions
+from torchyard.trainer.events import EventSink
+from torchyard.trainer.failures import classify
+from torchyard.trainer.models import build_model
+from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
+from torchyard.trainer.signals import StopFlag
+from torchyard.trainer.spec import JobSpec, spec_to_dict
 
 # Losses are read back (one host sync) at most this many steps apart; also the stop-flag check
 # interval under DDP, where every rank must agree on the step to stop at.

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from trainer.spec import ModelSpec
+from torchyard.trainer.spec import ModelSpec
 
 
 def mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:

@@ -8,7 +8,7 @@ import sys
 
 from pydantic import ValidationError
 
-from store.settings import Settings, get_settings
+from torchyard.store.settings import Settings, get_settings
 
 
 def _settings() -> Settings | None:
@@ -66,8 +66,14 @@ def worker_main(argv: list[str]) -> int:
     if settings is None:
         return 2
 
-    from worker.identity import SlotTaken, advertise_address, claim_id, cpu_device, gpu_device
-    from worker.node import WorkerNode
+    from torchyard.worker.identity import (
+        SlotTaken,
+        advertise_address,
+        claim_id,
+        cpu_device,
+        gpu_device,
+    )
+    from torchyard.worker.node import WorkerNode
 
     try:
         wid, lock = claim_id(settings.home.resolve() / "locks", name=args.name, gpu=args.gpu)
@@ -115,6 +121,6 @@ def scheduler_main(argv: list[str]) -> int:
     if settings is None:
         return 2
 
-    from worker.scheduler import Scheduler
+    from torchyard.worker.scheduler import Scheduler
 
     return Scheduler(settings, tick_s=args.tick, reserve_after_s=args.reserve_after).run()

@@ -21,12 +21,12 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from store.attempts import set_events_offset
-from store.checkpoints import mark_deleted, record_checkpoint
-from store.lifecycle import fence, mark_started
-from store.metrics import ingest_metrics
-from store.models import Job
-from store.paths import UnsafePath
+from torchyard.store.attempts import set_events_offset
+from torchyard.store.checkpoints import mark_deleted, record_checkpoint
+from torchyard.store.lifecycle import fence, mark_started
+from torchyard.store.metrics import ingest_metrics
+from torchyard.store.models import Job
+from torchyard.store.paths import UnsafePath
 
 log = logging.getLogger(__name__)
 

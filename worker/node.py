@@ -17,7 +17,7 @@ import threading
 import time
 from typing import IO, Any
 
-from store.broker import (
+from torchyard.store.broker import (
     REGISTER_TASK,
     RUN_TASK,
     make_celery,
@@ -25,9 +25,9 @@ from store.broker import (
     wake_scheduler,
     worker_queue,
 )
-from store.db import session_scope
-from store.settings import Settings
-from store.workers import (
+from torchyard.store.db import session_scope
+from torchyard.store.settings import Settings
+from torchyard.store.workers import (
     LOST,
     WorkerInfo,
     deregister,
@@ -36,9 +36,9 @@ from store.workers import (
     release_worker,
     stop_accepting,
 )
-from worker.identity import Device
-from worker.supervisor import WorkerContext, run_assignment
-from worker.watchdog import Watchdog
+from torchyard.worker.identity import Device
+from torchyard.worker.supervisor import WorkerContext, run_assignment
+from torchyard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

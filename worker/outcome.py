@@ -25,8 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from store.states import A_CANCELLED, A_FAILED, A_HANDED_BACK, A_LOST, A_SUCCEEDED, CANCELLING
-from trainer import exitcodes
+from torchyard.store.states import (
+    A_CANCELLED,
+    A_FAILED,
+    A_HANDED_BACK,
+    A_LOST,
+    A_SUCCEEDED,
+    CANCELLING,
+)
+from torchyard.trainer import exitcodes
 
 DETERMINISTIC_ERRORS = frozenset({"nonfinite_loss", "data", "out_of_memory", "unsupported"})
 

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
-# Repository root: `python -m trainer` must import our trainer package from any cwd.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Secrets the trainer has no use for stay in the worker.
 _SCRUB = ("TORCHYARD_DATABASE_URL", "TORCHYARD_BROKER_URL")
 
@@ -28,7 +26,7 @@ except OSError:  # not Linux/glibc: process group kill still applies
 
 @dataclass(frozen=True)
 class Launch:
-    """What one rank runs: world_size 1 is `python -m trainer`, more is torchrun."""
+    """What one rank runs: world_size 1 is `python -m torchyard.trainer`, more is torchrun."""
 
     spec_path: Path
     run_dir: Path
@@ -40,7 +38,7 @@ class Launch:
 
 
 def trainer_argv(launch: Launch) -> list[str]:
-    tail = ["-m", "trainer", "--spec", str(launch.spec_path), "--run-dir", str(launch.run_dir)]
+    tail = ["-m", "torchyard.trainer", "--spec", str(launch.spec_path), "--run-dir", str(launch.run_dir)]
     if launch.resume is not None:
         tail += ["--resume", str(launch.resume)]
     if launch.world_size == 1:
@@ -85,8 +83,6 @@ def trainer_env(
     if collective_timeout_s is not None:
         env["TORCHYARD_COLLECTIVE_TIMEOUT_S"] = f"{collective_timeout_s:g}"
     env["PYTHONUNBUFFERED"] = "1"
-    pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + pp if pp else "")
     return env
 
 

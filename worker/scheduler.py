@@ -12,13 +12,19 @@ import time
 from datetime import datetime, timedelta
 from typing import Any
 
-from store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
-from store.broker import RUN_TASK, SCHEDULE_TASK, control_queue, make_celery, make_consumer
-from store.db import session_scope
-from store.models import utcnow
-from store.scheduling import RESERVE_AFTER_S, Dispatch, resend_due, schedule
-from store.settings import Settings
-from store.workers import (
+from torchyard.store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
+from torchyard.store.broker import (
+    RUN_TASK,
+    SCHEDULE_TASK,
+    control_queue,
+    make_celery,
+    make_consumer,
+)
+from torchyard.store.db import session_scope
+from torchyard.store.models import utcnow
+from torchyard.store.scheduling import RESERVE_AFTER_S, Dispatch, resend_due, schedule
+from torchyard.store.settings import Settings
+from torchyard.store.workers import (
     expire_unclaimed,
     lose_unsupervised_attempts,
     reap_stale_workers,

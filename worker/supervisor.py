@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import exc, select
 
-from store.attempts import (
+from torchyard.store.attempts import (
     A_CANCELLED,
     A_FAILED,
     A_HANDED_BACK,
@@ -48,16 +48,16 @@ from store.attempts import (
     read_endpoint,
     set_endpoint,
 )
-from store.db import session_scope
-from store.lifecycle import Fenced
-from store.models import Attempt, Job
-from store.paths import EVENTS_FILE, LOG_FILE, SPEC_FILE, job_dir
-from store.settings import Settings
-from store.states import CANCELLING
-from trainer.eventfiles import rank_events_file
-from worker.events import EventRecorder, EventTail, last_rank_event
-from worker.identity import Device, is_loopback
-from worker.outcome import (
+from torchyard.store.db import session_scope
+from torchyard.store.lifecycle import Fenced
+from torchyard.store.models import Attempt, Job
+from torchyard.store.paths import EVENTS_FILE, LOG_FILE, SPEC_FILE, job_dir
+from torchyard.store.settings import Settings
+from torchyard.store.states import CANCELLING
+from torchyard.trainer.eventfiles import rank_events_file
+from torchyard.worker.events import EventRecorder, EventTail, last_rank_event
+from torchyard.worker.identity import Device, is_loopback
+from torchyard.worker.outcome import (
     STOP_CANCEL,
     STOP_STORE_LOST,
     STOP_WORKER,
@@ -67,7 +67,7 @@ from worker.outcome import (
     describe_exit,
     oom_kills,
 )
-from worker.proc import Launch, free_port, signal_group, spawn, trainer_argv, trainer_env
+from torchyard.worker.proc import Launch, free_port, signal_group, spawn, trainer_argv, trainer_env
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-from worker.proc import signal_group
-from worker.supervisor import WorkerContext
+from torchyard.worker.proc import signal_group
+from torchyard.worker.supervisor import WorkerContext
 
 log = logging.getLogger(__name__)
 

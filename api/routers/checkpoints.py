@@ -8,13 +8,18 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response
 
-from api.deps import CurrentUser, ReadSessionDep, SettingsDep
-from api.errors import ApiError, not_found, responses
-from api.files import file_response
-from api.schemas import CheckpointList, CheckpointOut
-from store.checkpoints import checkpoint_file, get_checkpoint, latest_checkpoint, list_checkpoints
-from store.jobs import get_job
-from store.paths import UnsafePath
+from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
+from torchyard.api.errors import ApiError, not_found, responses
+from torchyard.api.files import file_response
+from torchyard.api.schemas import CheckpointList, CheckpointOut
+from torchyard.store.checkpoints import (
+    checkpoint_file,
+    get_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+)
+from torchyard.store.jobs import get_job
+from torchyard.store.paths import UnsafePath
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])

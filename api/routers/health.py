@@ -12,10 +12,10 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentUser
-from api.errors import error_response, responses
-from api.schemas import Health, Readiness
-from store import broker
+from torchyard.api.deps import CurrentUser
+from torchyard.api.errors import error_response, responses
+from torchyard.api.schemas import Health, Readiness
+from torchyard.store import broker
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])

@@ -14,14 +14,14 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentUser, Principal, ReadSessionDep, SettingsDep
-from api.errors import not_found, responses, validation_error
-from api.schemas import LogChunk, MetricsOut, Series
-from store.feed import BadFeedCursor, FeedCursor, FeedItem, FeedPage, poll
-from store.jobs import get_job
-from store.metrics import query_page, query_series
-from store.paths import LOG_FILE, job_dir, resolve_inside
-from store.states import TERMINAL
+from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SettingsDep
+from torchyard.api.errors import not_found, responses, validation_error
+from torchyard.api.schemas import LogChunk, MetricsOut, Series
+from torchyard.store.feed import BadFeedCursor, FeedCursor, FeedItem, FeedPage, poll
+from torchyard.store.jobs import get_job
+from torchyard.store.metrics import query_page, query_series
+from torchyard.store.paths import LOG_FILE, job_dir, resolve_inside
+from torchyard.store.states import TERMINAL
 
 router = APIRouter(prefix="/v1/jobs", tags=["job data"])
 

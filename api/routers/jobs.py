@@ -9,12 +9,12 @@ from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
-from api.errors import ApiError, not_found, responses, validation_error
-from api.schemas import JobList, JobOut
-from api.views import job_from_snapshot, job_out, job_summary
-from store import broker
-from store.jobs import (
+from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
+from torchyard.api.errors import ApiError, not_found, responses, validation_error
+from torchyard.api.schemas import JobList, JobOut
+from torchyard.api.views import job_from_snapshot, job_out, job_summary
+from torchyard.store import broker
+from torchyard.store.jobs import (
     BadCursor,
     IdempotencyConflict,
     create_job,
@@ -23,9 +23,9 @@ from store.jobs import (
     list_jobs,
     request_cancel,
 )
-from store.settings import Settings
-from store.states import STATES
-from trainer import spec as job_spec
+from torchyard.store.settings import Settings
+from torchyard.store.states import STATES
+from torchyard.trainer import spec as job_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

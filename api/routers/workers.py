@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import CurrentUser, ReadSessionDep
-from api.errors import responses
-from api.schemas import WorkerList, WorkerOut
-from store.inventory import list_workers
+from torchyard.api.deps import CurrentUser, ReadSessionDep
+from torchyard.api.errors import responses
+from torchyard.api.schemas import WorkerList, WorkerOut
+from torchyard.store.inventory import list_workers
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 

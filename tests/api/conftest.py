@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from store.settings import Settings
+from torchyard.api.app import create_app
+from torchyard.store.settings import Settings
 
 # The database fixtures live beside the store tests; both suites share them.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))

@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from torchyard_testdb import Factory
 
-from api.app import create_app
-from store.settings import Settings
+from torchyard.api.app import create_app
+from torchyard.store.settings import Settings
 
 PUBLIC = {"/healthz", "/readyz"}
 
@@ -62,8 +62,8 @@ def test_every_route_needs_a_token(
 def test_revoked_token_is_refused(client: TestClient, factory: Factory, db_url: str) -> None:
     from sqlalchemy import update
 
-    from store.db import session_scope
-    from store.models import ApiToken, utcnow
+    from torchyard.store.db import session_scope
+    from torchyard.store.models import ApiToken, utcnow
 
     token = factory.token("carol")
     with session_scope(db_url) as s:

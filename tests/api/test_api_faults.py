@@ -23,13 +23,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 from torchyard_testdb import Factory
 
-from api.app import SHED_WAITING_PER_THREAD, create_app
-from store.checkpoints import record_checkpoint
-from store.db import make_engine, session_scope
-from store.metrics import ingest_metrics
-from store.paths import job_dir
-from store.settings import Settings
-from store.workers import heartbeat
+from torchyard.api.app import SHED_WAITING_PER_THREAD, create_app
+from torchyard.store.checkpoints import record_checkpoint
+from torchyard.store.db import make_engine, session_scope
+from torchyard.store.metrics import ingest_metrics
+from torchyard.store.paths import job_dir
+from torchyard.store.settings import Settings
+from torchyard.store.workers import heartbeat
 
 BIG = 16 * 1024 * 1024  # far more than loopback socket buffers: the server must block
 
@@ -152,7 +152,7 @@ def test_a_checkpoint_pruned_before_it_is_opened_is_a_404(
 ) -> None:  # fmt: skip
     """keep_last may delete a file between the existence check and open(): that used to be
     a 500; it is the same 404 `file_gone` as a file already gone."""
-    import api.routers.checkpoints as route
+    import torchyard.api.routers.checkpoints as route
 
     token = factory.token("alice")
     job = factory.job("alice", state="running")

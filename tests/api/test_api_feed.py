@@ -9,9 +9,9 @@ from typing import Any
 from fastapi.testclient import TestClient
 from torchyard_testdb import Factory
 
-from store.checkpoints import record_checkpoint
-from store.db import session_scope
-from store.metrics import ingest_metrics
+from torchyard.store.checkpoints import record_checkpoint
+from torchyard.store.db import session_scope
+from torchyard.store.metrics import ingest_metrics
 
 
 def _points(name: str, steps: range, f: Any = lambda k: 1.0 / (k + 1)) -> list[dict[str, Any]]:

@@ -11,11 +11,11 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 
-from api.app import create_app
-from store.auth import create_token
-from store.db import session_scope
-from store.migrate import upgrade
-from store.settings import Settings
+from torchyard.api.app import create_app
+from torchyard.store.auth import create_token
+from torchyard.store.db import session_scope
+from torchyard.store.migrate import upgrade
+from torchyard.store.settings import Settings
 
 TOKEN: dict[str, str] = {}
 # Not positive_data_acceptance: a schema-valid spec may still be refused by what only the

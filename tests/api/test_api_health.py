@@ -6,8 +6,8 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from store.settings import Settings
+from torchyard.api.app import create_app
+from torchyard.store.settings import Settings
 
 
 def test_healthz_and_readyz(client: TestClient) -> None:

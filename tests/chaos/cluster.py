@@ -72,7 +72,7 @@ class ChaosCluster(Cluster):
         """Migrate, make the admin token, start the API and the scheduler (workers apart)."""
         subprocess.run([sys.executable, "-m", "torchyard", "db", "upgrade"], cwd=ROOT,
                        env=self.env, check=True)  # fmt: skip
-        from store.auth import create_token
+        from torchyard.store.auth import create_token
 
         with self.session() as s:
             self.token = create_token(s, "tester", admin=True)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine, select
 from torch import equal
 
-from store.models import Checkpoint, Metric
-from store.paths import EVENTS_FILE, job_dir
+from torchyard.store.models import Checkpoint, Metric
+from torchyard.store.paths import EVENTS_FILE, job_dir
 
 
 def events_of(storage: Path, job_id: str) -> list[dict[str, Any]]:

@@ -73,13 +73,13 @@ MIX = ["digits-1", "synthetic-1", "digits-2", "big-1", "synthetic-2", "digits-1"
 
 
 def _reference(key: str, out: Path) -> Path:
-    """An uninterrupted run of the spec on one host: `python -m trainer`, or torchrun with
+    """An uninterrupted run of the spec on one host: `python -m torchyard.trainer`, or torchrun with
     two local processes for world_size 2 (same thread count as the workers')."""
     out.mkdir(parents=True)
     (out / "spec.json").write_text(json.dumps(SPECS[key]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHYARD_", "GLOO_"))}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    tail = ["-m", "trainer", "--spec", str(out / "spec.json"), "--run-dir", str(out / "run")]
+    tail = ["-m", "torchyard.trainer", "--spec", str(out / "spec.json"), "--run-dir", str(out / "run")]
     ws = SPECS[key].get("world_size", 1)
     launcher = [] if ws == 1 else ["-m", "torch.distributed.run", "--standalone",
                                    f"--nproc-per-node={ws}"]  # fmt: skip

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from client_fake_api import FakeAPI
 
-from client import render
-from client.cli import main, progress_line, wide_rows
+from torchyard.client import render
+from torchyard.client.cli import main, progress_line, wide_rows
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from client.sdk import load_spec
-from trainer.spec import parse_spec
+from torchyard.client.sdk import load_spec
+from torchyard.trainer.spec import parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

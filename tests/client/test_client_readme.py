@@ -8,9 +8,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from store.settings import Settings
 from torchyard.cli import COMMANDS
-from trainer.spec import JobSpec
+from torchyard.store.settings import Settings
+from torchyard.trainer.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

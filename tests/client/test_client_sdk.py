@@ -10,9 +10,9 @@ import httpx
 import pytest
 from client_fake_api import FakeAPI
 
-import client
-from client import errors
-from client.sdk import Client, default_filename, load_spec, resolve_config
+from torchyard import client
+from torchyard.client import errors
+from torchyard.client.sdk import Client, default_filename, load_spec, resolve_config
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_wait_and_iter_jobs(api: FakeAPI, ty: Client) -> None:
 
 
 def test_sse_parser_decodes_json_and_keeps_event_names() -> None:
-    from client.sdk import _parse_sse
+    from torchyard.client.sdk import _parse_sse
 
     lines = [": keep-alive", "event: state", 'data: {"state": "running"}', "", "data: plain", ""]
     assert list(_parse_sse(iter(lines))) == [("state", {"state": "running"}), ("message", "plain")]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from store.settings import Settings
+from torchyard.store.settings import Settings
 from torchyard.up import Up, UpError, _port_free, detect_gpus, ensure_admin_token
 
 SMI = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa1111-0000)
@@ -41,7 +41,7 @@ def test_no_nvidia_smi_means_no_gpu() -> None:
 
 
 def test_admin_token_is_private_reused_and_replaced_when_unknown(tmp_path: Path) -> None:
-    from store.migrate import upgrade
+    from torchyard.store.migrate import upgrade
 
     settings = Settings(home=tmp_path)
     upgrade(settings.db_url)

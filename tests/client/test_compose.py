@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from store.settings import Settings
 from torchyard.cli import COMMANDS
+from torchyard.store.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHYARD_SERVICES = {"migrate", "api", "scheduler", "worker-gpu0", "worker-gpu1"}

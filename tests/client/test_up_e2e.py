@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
+from torchyard.client import Client
 
 pytestmark = pytest.mark.e2e
 

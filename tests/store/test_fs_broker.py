@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from store.broker import transport_options, use_fixed_filesystem_transport
+from torchyard.store.broker import transport_options, use_fixed_filesystem_transport
 
 PRODUCERS, CONSUMERS, EACH = 4, 3, 250
 QUEUE = "hammer"
@@ -23,7 +23,7 @@ QUEUE = "hammer"
 
 def _options(root: Path) -> dict[str, Any]:
     """The embedded broker's own options (store/broker.py), in `root`, polled faster."""
-    from store.settings import Settings
+    from torchyard.store.settings import Settings
 
     settings = Settings(_env_file=None, home=root)  # type: ignore[call-arg]
     return transport_options(settings) | {"polling_interval": 0.005}

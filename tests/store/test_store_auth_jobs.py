@@ -9,10 +9,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from torchyard_testdb import SPEC, Factory
 
-from store import jobs
-from store.auth import TOKEN_PREFIX, create_token, hash_token, user_for_token
-from store.models import ApiToken, JobEvent
-from store.states import IllegalTransition
+from torchyard.store import jobs
+from torchyard.store.auth import TOKEN_PREFIX, create_token, hash_token, user_for_token
+from torchyard.store.models import ApiToken, JobEvent
+from torchyard.store.states import IllegalTransition
 
 
 def test_tokens_are_stored_hashed(session: Session) -> None:
@@ -34,10 +34,10 @@ def test_tokens_are_stored_hashed(session: Session) -> None:
 def test_token_create_prints_only_the_token(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from store.cli import token_main
-    from store.db import session_factory
-    from store.migrate import upgrade
-    from store.settings import get_settings
+    from torchyard.store.cli import token_main
+    from torchyard.store.db import session_factory
+    from torchyard.store.migrate import upgrade
+    from torchyard.store.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 't.db'}"
     upgrade(url)

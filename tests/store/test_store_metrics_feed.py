@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy.orm import Session
 from torchyard_testdb import Factory
 
-from store.checkpoints import record_checkpoint
-from store.feed import BadFeedCursor, FeedCursor, poll
-from store.metrics import ingest_metrics, latest_metrics, metric_names, query_series
+from torchyard.store.checkpoints import record_checkpoint
+from torchyard.store.feed import BadFeedCursor, FeedCursor, poll
+from torchyard.store.metrics import ingest_metrics, latest_metrics, metric_names, query_series
 
 
 def _check_buckets(points: dict[int, float], after: int, max_points: int, series: dict) -> None:

@@ -11,9 +11,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
-from store import migrate
-from store.db import make_engine
-from store.models import Base
+from torchyard.store import migrate
+from torchyard.store.db import make_engine
+from torchyard.store.models import Base
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -66,8 +66,8 @@ def test_upgrade_from_empty_matches_the_models(empty_url: str) -> None:
 
 
 def test_db_upgrade_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from store.cli import db_main
-    from store.settings import get_settings
+    from torchyard.store.cli import db_main
+    from torchyard.store.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     monkeypatch.setenv("TORCHYARD_DATABASE_URL", url)

@@ -15,14 +15,22 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from store import db as store_db
-from store.auth import create_token
-from store.db import session_scope
-from store.jobs import create_job
-from store.migrate import upgrade
-from store.models import Assignment, Attempt, Base, Job, Worker, utcnow
-from store.settings import Settings
-from store.states import CANCELLING, FAILED, QUEUED, RUNNING, STARTING, SUCCEEDED, transition
+from torchyard.store import db as store_db
+from torchyard.store.auth import create_token
+from torchyard.store.db import session_scope
+from torchyard.store.jobs import create_job
+from torchyard.store.migrate import upgrade
+from torchyard.store.models import Assignment, Attempt, Base, Job, Worker, utcnow
+from torchyard.store.settings import Settings
+from torchyard.store.states import (
+    CANCELLING,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    STARTING,
+    SUCCEEDED,
+    transition,
+)
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
@@ -114,7 +122,7 @@ class Factory:
 
     def user_id(self, name: str) -> int:
         with session_scope(self.url) as s:
-            from store.auth import get_or_create_user
+            from torchyard.store.auth import get_or_create_user
 
             return get_or_create_user(s, name).id
 

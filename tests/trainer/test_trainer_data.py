@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from trainer_testlib import write_mnist
 
-from trainer.data import (
+from torchyard.trainer.data import (
     Batches,
     DataError,
     SyntheticSource,
@@ -22,7 +22,7 @@ from trainer.data import (
     read_idx,
     steps_per_epoch,
 )
-from trainer.spec import DataSpec
+from torchyard.trainer.spec import DataSpec
 
 CPU = torch.device("cpu")
 
@@ -167,7 +167,7 @@ def test_validation_shards_cover_the_set_once() -> None:
 def test_digits_read_directly_equal_scikit_learns_loader() -> None:
     from sklearn.datasets import load_digits
 
-    from trainer.data import read_digits
+    from torchyard.trainer.data import read_digits
 
     x, y = read_digits()
     d = load_digits()

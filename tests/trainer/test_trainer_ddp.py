@@ -30,7 +30,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 def torchrun_cmd(spec: Path, run_dir: Path, nproc: int = 2) -> list[str]:
     return [*TORCHRUN, f"--nproc_per_node={nproc}", "--nnodes=1", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "trainer",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "torchyard.trainer",
             "--spec", str(spec), "--run-dir", str(run_dir)]  # fmt: skip
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from trainer_testlib import REPO, make_spec, read_events, trainer_cmd, trainer_env, write_spec
 
-from trainer import exitcodes
-from trainer.events import (
+from torchyard.trainer import exitcodes
+from torchyard.trainer.events import (
     ATTEMPT_ENV,
     PID_EVENTS,
     JsonlEvents,
@@ -84,7 +84,7 @@ def test_every_line_of_a_run_carries_the_attempt_and_rank0s_pid(tmp_path: Path) 
     types = {e["type"] for e in events}
     assert {"started", "metric", "checkpoint", "progress", "finished"} <= types
     assert all(e["attempt"] == 3 for e in events)
-    # `python -m trainer` is rank 0 itself: its pid is the one the worker spawned
+    # `python -m torchyard.trainer` is rank 0 itself: its pid is the one the worker spawned
     for e in events:
         assert ("pid" in e) == (e["type"] in PID_EVENTS)
         if "pid" in e:

@@ -32,8 +32,8 @@ from trainer_testlib import (
     write_spec,
 )
 
-from trainer import exitcodes
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from torchyard.trainer import exitcodes
+from torchyard.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,8 +59,8 @@ def test_auto_precision_on_cuda(tmp_path: Path) -> None:
 
 
 def test_data_lives_on_the_gpu_on_the_device_path() -> None:
-    from trainer.data import Batches, load_dataset
-    from trainer.spec import DataSpec
+    from torchyard.trainer.data import Batches, load_dataset
+    from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
     b = Batches(ds, torch.device("cuda"), 64, 0, 1, 0, "device", 0, 256)
@@ -69,8 +69,8 @@ def test_data_lives_on_the_gpu_on_the_device_path() -> None:
 
 
 def test_dataloader_path_pins_memory_and_trains(tmp_path: Path) -> None:
-    from trainer.data import Batches, load_dataset
-    from trainer.spec import DataSpec
+    from torchyard.trainer.data import Batches, load_dataset
+    from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
     b = Batches(ds, torch.device("cuda"), 64, 0, 1, 0, "dataloader", 2, 256)
@@ -88,7 +88,7 @@ def test_dataloader_path_pins_memory_and_trains(tmp_path: Path) -> None:
 def test_nccl_two_processes_equal_one(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "spec.json", make_spec(world_size=2, precision="fp32"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "trainer", "--spec", str(spec),
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "torchyard.trainer", "--spec", str(spec),
            "--run-dir", str(tmp_path / "two")]  # fmt: skip
     p = subprocess.run(
         cmd, env=trainer_env(), cwd=REPO, capture_output=True, text=True, timeout=300
@@ -106,16 +106,16 @@ def two_gpus() -> pytest.MarkDecorator:
 
 
 def _uuids() -> list[str]:
-    from worker.identity import gpu_device
+    from torchyard.worker.identity import gpu_device
 
     return [gpu_device(i, environ={}).cuda_visible for i in range(torch.cuda.device_count())]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_an_fp16_step_with_clipping_makes_no_host_sync(optimizer: str) -> None:
-    from trainer.models import build_model
-    from trainer.optim import build_optimizer
-    from trainer.spec import parse_spec
+    from torchyard.trainer.models import build_model
+    from torchyard.trainer.optim import build_optimizer
+    from torchyard.trainer.spec import parse_spec
 
     spec = parse_spec(make_spec(model={"name": "lenet"}, optimizer={"name": optimizer, "lr": 0.01}))
     dev = torch.device("cuda", 0)
@@ -141,14 +141,14 @@ def test_an_fp16_step_with_clipping_makes_no_host_sync(optimizer: str) -> None:
 
 
 def test_the_worker_pins_its_gpu_by_uuid(tmp_path: Path) -> None:
-    from worker.identity import gpu_device
-    from worker.proc import trainer_env as worker_env
+    from torchyard.worker.identity import gpu_device
+    from torchyard.worker.proc import trainer_env as worker_env
 
     dev = gpu_device(0, environ={})
     assert dev.cuda_visible.startswith(("GPU-", "MIG-")) and dev.name
     spec = write_spec(tmp_path / "spec.json", make_spec(epochs=1))
     env = worker_env(data_root=tmp_path, cuda_visible=dev.cuda_visible)
-    p = subprocess.run([sys.executable, "-m", "trainer", "--spec", str(spec), "--run-dir",
+    p = subprocess.run([sys.executable, "-m", "torchyard.trainer", "--spec", str(spec), "--run-dir",
                         str(tmp_path / "run")], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
@@ -218,7 +218,7 @@ def test_deterministic_gpu_resume_after_sigkill_is_bitwise(
     ref = run_trainer(spec, tmp_path / "ref", timeout=600, **env)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--spec", str(spec), "--run-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "torchyard.trainer", "--spec", str(spec), "--run-dir",
                              str(run)], env=trainer_env(**env), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     _kill_after_checkpoint(proc, run, 15)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from trainer_testlib import REPO, make_spec, trainer_cmd, trainer_env, write_spec
 
-from trainer import exitcodes
-from trainer.lease import LEASE_SIGNAL, LeaseError, watch_lease
-from trainer.signals import StopFlag
+from torchyard.trainer import exitcodes
+from torchyard.trainer.lease import LEASE_SIGNAL, LeaseError, watch_lease
+from torchyard.trainer.signals import StopFlag
 
 
 def test_lease_variables_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

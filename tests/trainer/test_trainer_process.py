@@ -61,8 +61,8 @@ def test_trainer_dies_with_its_parent(tmp_path: Path) -> None:
 def test_a_repeated_sigterm_does_not_kill_before_the_checkpoint() -> None:
     """SIGTERM often arrives twice (worker → process group, and torchrun forwarding it): the
     second must not turn into an immediate exit that skips the checkpoint."""
-    from trainer.cli import _install_stop_handlers
-    from trainer.signals import StopFlag
+    from torchyard.trainer.cli import _install_stop_handlers
+    from torchyard.trainer.signals import StopFlag
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop = StopFlag()

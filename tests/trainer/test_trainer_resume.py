@@ -1,4 +1,4 @@
-"""Kill and resume with the real `python -m trainer` process: SIGKILL mid-epoch, then resume
+"""Kill and resume with the real `python -m torchyard.trainer` process: SIGKILL mid-epoch, then resume
 from the latest checkpoint, ends with weights bitwise equal to an uninterrupted run (CPU,
 fp32); SIGTERM saves a loadable checkpoint, writes `stopped` and exits 75."""
 
@@ -23,8 +23,8 @@ from trainer_testlib import (
     write_spec,
 )
 
-from trainer import exitcodes
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from torchyard.trainer import exitcodes
+from torchyard.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.e2e
 

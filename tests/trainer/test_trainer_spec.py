@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from trainer_testlib import REPO, make_spec, trainer_env, write_mnist, write_spec
 
-from trainer import exitcodes
-from trainer.spec import SpecError, missing_dataset_files, parse_spec, spec_to_dict
+from torchyard.trainer import exitcodes
+from torchyard.trainer.spec import SpecError, missing_dataset_files, parse_spec, spec_to_dict
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def test_cli_refuses_a_bad_spec_without_torch_and_writes_nothing(tmp_path: Path)
     # -X importtime would be noisy; instead check torch is never imported on this path.
     code = (
         "import sys, runpy; sys.argv=['trainer','--spec',sys.argv[1],'--run-dir',sys.argv[2]];"
-        "import trainer.cli as c; rc=c.main(sys.argv[1:]);"
+        "import torchyard.trainer.cli as c; rc=c.main(sys.argv[1:]);"
         "print('torch' in sys.modules); sys.exit(rc)"
     )
     p = subprocess.run([sys.executable, "-c", code, str(spec), str(run_dir)], env=trainer_env(),
@@ -138,7 +138,7 @@ def test_cli_refuses_a_bad_spec_without_torch_and_writes_nothing(tmp_path: Path)
 
 
 def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
-    from trainer.cli import main
+    from torchyard.trainer.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["--spec", str(tmp_path / "x.json")])  # no --run-dir

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from trainer_testlib import make_spec, train_in_process
 
-from trainer import exitcodes
-from trainer.checkpoint import list_checkpoints, load_checkpoint
-from trainer.optim import lr_schedule
-from trainer.spec import parse_spec
+from torchyard.trainer import exitcodes
+from torchyard.trainer.checkpoint import list_checkpoints, load_checkpoint
+from torchyard.trainer.optim import lr_schedule
+from torchyard.trainer.spec import parse_spec
 
 EVENT_FIELDS = {
     "started": {
@@ -152,7 +152,7 @@ def test_missing_data_is_a_data_error(tmp_path: Path) -> None:
 
 
 def test_auto_loader_falls_back_to_a_dataloader_when_the_set_does_not_fit(tmp_path: Path) -> None:
-    import trainer.data as data
+    import torchyard.trainer.data as data
 
     spec = make_spec(epochs=1, data={"name": "digits", "num_workers": 0})
     orig = data.memory_budget

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from trainer_testlib import REPO, free_port, trainer_env
 
-from trainer import wire
-from trainer.checkpoint import capture_rng
+from torchyard.trainer import wire
+from torchyard.trainer.checkpoint import capture_rng
 
 # Every pickling collective torch has (and those older or newer versions may add).
 PICKLING = {n for n in dir(dist) if "_object" in n} | {
@@ -155,8 +155,8 @@ RANK_SCRIPT = """
 import random, sys
 import numpy as np
 import torch
-from trainer import distributed
-from trainer.checkpoint import capture_rng
+from torchyard.trainer import distributed
+from torchyard.trainer.checkpoint import capture_rng
 sys.path.insert(0, {tests!r})
 from test_trainer_wire import same
 

@@ -1,5 +1,5 @@
 """Helpers for the trainer's tests (imported by name: tests/trainer is on sys.path): specs with keyword defaults, in-process runs, real
-`python -m trainer` / torchrun subprocesses, and small data sets in torchvision's formats."""
+`python -m torchyard.trainer` / torchrun subprocesses, and small data sets in torchvision's formats."""
 
 from __future__ import annotations
 
@@ -48,8 +48,7 @@ def trainer_env(**extra: str) -> dict[str, str]:
 def trainer_cmd(spec_path: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
-        "-m",
-        "trainer",
+        "-m", "torchyard.trainer",
         "--spec",
         str(spec_path),
         "--run-dir",
@@ -76,7 +75,7 @@ def free_port() -> int:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    from trainer.events import read_events as _read
+    from torchyard.trainer.events import read_events as _read
 
     return _read(run_dir / "events.jsonl")
 
@@ -166,10 +165,10 @@ def train_in_process(
     (exit code, events)."""
     import torch
 
-    from trainer.distributed import Dist
-    from trainer.events import MemoryEvents
-    from trainer.loop import Run, run
-    from trainer.spec import parse_spec
+    from torchyard.trainer.distributed import Dist
+    from torchyard.trainer.events import MemoryEvents
+    from torchyard.trainer.loop import Run, run
+    from torchyard.trainer.spec import parse_spec
 
     run_dir.mkdir(parents=True, exist_ok=True)
     events = MemoryEvents()
@@ -198,8 +197,8 @@ def start_gang(
     """One DDP job exactly as the workers launch it (worker/proc.py): one torchrun per rank
     with `--nnodes=world --nproc-per-node=1`, so LOCAL_RANK is 0 everywhere, each pinned
     with its own CUDA_VISIBLE_DEVICES (`devices[i]`; "" for CPU) and data root."""
-    from worker.proc import Launch, trainer_argv
-    from worker.proc import trainer_env as worker_env
+    from torchyard.worker.proc import Launch, trainer_argv
+    from torchyard.worker.proc import trainer_env as worker_env
 
     port = free_port()
     procs = []

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.orm import Session
 from worker_factories import create_schema, drop_pg_databases, new_pg_database
 
-from store.db import dispose_engines, session_factory
+from torchyard.store.db import dispose_engines, session_factory
 
 
 @pytest.fixture

@@ -74,14 +74,14 @@ def cluster(
 
 
 def _events(c: Cluster, job_id: str) -> list[dict[str, Any]]:
-    from store.paths import EVENTS_FILE, job_dir
+    from torchyard.store.paths import EVENTS_FILE, job_dir
 
     p = job_dir(c.storage, job_id) / EVENTS_FILE
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
 def _weights(c: Cluster, job_id: str) -> dict[str, torch.Tensor]:
-    from store.paths import job_dir
+    from torchyard.store.paths import job_dir
 
     return load_file(str(job_dir(c.storage, job_id) / "model.safetensors"))
 
@@ -92,7 +92,7 @@ def _running_worker(c: Cluster, job_id: str) -> str:
 
 
 def _trainer_pid(c: Cluster, job_id: str) -> int:
-    from store.models import Assignment
+    from torchyard.store.models import Assignment
 
     def pid() -> int | None:
         with c.session() as s:
@@ -207,8 +207,8 @@ def test_big_gang_waits_without_blocking_a_small_job(cluster: Cluster) -> None:
 
 
 def test_a_duplicated_task_message_starts_one_trainer(cluster: Cluster) -> None:
-    from store.broker import RUN_TASK, make_celery, worker_queue
-    from store.models import Assignment
+    from torchyard.store.broker import RUN_TASK, make_celery, worker_queue
+    from torchyard.store.models import Assignment
 
     c = cluster
     settings = c.settings()
@@ -252,7 +252,7 @@ def test_cancel_ends_a_running_job_within_5s(cluster: Cluster) -> None:
     assert r.status_code == 202
     c.wait_state(job["id"], "cancelled", timeout=5)
     assert time.monotonic() - t0 < 5
-    from store.paths import job_dir
+    from torchyard.store.paths import job_dir
 
     assert not pid_alive(pid)
     assert processes_mentioning(str(job_dir(c.storage, job["id"]))) == []
@@ -359,7 +359,7 @@ def test_sigterm_worker_hands_its_job_back(cluster: Cluster) -> None:
 def test_no_worker_ever_ran_two_assignments_at_once(cluster: Cluster) -> None:
     """Over everything this module ran with two schedulers: per worker, the assignments'
     [created, ended] intervals never overlap, and each job's attempts are numbered once."""
-    from store.models import Assignment, Attempt
+    from torchyard.store.models import Assignment, Attempt
 
     with cluster.session() as s:
         rows = s.execute(

@@ -9,9 +9,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from worker_factories import make_job, make_worker
 
-from store.models import Attempt, Checkpoint, Job, Metric
-from store.scheduling import schedule
-from worker.events import EventRecorder, EventTail
+from torchyard.store.models import Attempt, Checkpoint, Job, Metric
+from torchyard.store.scheduling import schedule
+from torchyard.worker.events import EventRecorder, EventTail
 
 
 def _line(**ev: object) -> bytes:

@@ -18,20 +18,20 @@ import pytest
 from sqlalchemy import func, select, update
 from worker_factories import make_job, make_worker
 
-from store.db import session_scope
-from store.lifecycle import Fenced, finish_attempt
-from store.models import Attempt, Checkpoint, Job, Metric, Worker, utcnow
-from store.paths import EVENTS_FILE, LOG_FILE, job_dir
-from store.scheduling import schedule
-from store.settings import Settings
-from store.states import A_LOST, A_SUCCEEDED
-from store.workers import heartbeat, reap_stale_workers
-from worker.events import EventRecorder
-from worker.identity import Device
-from worker.outcome import STOP_STORE_LOST, STOP_WORKER, Ending, decide
-from worker.scheduler import Scheduler
-from worker.supervisor import Claimed, Supervision, WorkerContext, retry_until
-from worker.watchdog import Watchdog
+from torchyard.store.db import session_scope
+from torchyard.store.lifecycle import Fenced, finish_attempt
+from torchyard.store.models import Attempt, Checkpoint, Job, Metric, Worker, utcnow
+from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
+from torchyard.store.scheduling import schedule
+from torchyard.store.settings import Settings
+from torchyard.store.states import A_LOST, A_SUCCEEDED
+from torchyard.store.workers import heartbeat, reap_stale_workers
+from torchyard.worker.events import EventRecorder
+from torchyard.worker.identity import Device
+from torchyard.worker.outcome import STOP_STORE_LOST, STOP_WORKER, Ending, decide
+from torchyard.worker.scheduler import Scheduler
+from torchyard.worker.supervisor import Claimed, Supervision, WorkerContext, retry_until
+from torchyard.worker.watchdog import Watchdog
 
 
 def _settings(db_url: str, tmp_path: Path, **kw: Any) -> Settings:
@@ -155,8 +155,8 @@ def test_recording_the_end_outlasts_any_store_outage() -> None:
 def test_an_attempt_its_worker_stopped_supervising_is_lost_not_stuck(db_url: str) -> None:
     """If a worker goes idle without recording its attempt's end (a bug, or a crash between
     the two writes), nobody would ever end that attempt: the reaper now does."""
-    from store.attempts import claim_assignment
-    from store.workers import lose_unsupervised_attempts, release_worker
+    from torchyard.store.attempts import claim_assignment
+    from torchyard.store.workers import lose_unsupervised_attempts, release_worker
 
     job_id, _, assignment_id = _started(db_url)
     with session_scope(db_url) as s:
@@ -211,12 +211,12 @@ def test_liveness_uses_the_database_clock(
 ) -> None:
     """Heartbeats used to be stamped with each worker host's clock: 18 s of skew reaped a
     live worker. Now both the stamp and the reaper's cutoff come from the database."""
-    import store.models
+    from torchyard.store import models as store_models
 
     with session_scope(pg_fresh_url) as s:
         make_worker(s, "w1")
     skewed = utcnow() - timedelta(seconds=120)  # this host's clock is two minutes late
-    monkeypatch.setattr(store.models, "utcnow", lambda: skewed)
+    monkeypatch.setattr(store_models, "utcnow", lambda: skewed)
     with session_scope(pg_fresh_url) as s:
         assert heartbeat(s, "w1") == "idle"
     with session_scope(pg_fresh_url) as s:

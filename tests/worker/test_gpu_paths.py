@@ -13,16 +13,16 @@ import pytest
 from sqlalchemy import select
 from worker_factories import make_job, make_worker
 
-from store.db import session_scope
-from store.models import Attempt, Job
-from store.scheduling import schedule
-from store.settings import Settings
-from store.states import A_FAILED, A_LOST
-from worker.events import last_rank_event
-from worker.identity import Device, GpuRow, gpu_device, is_loopback
-from worker.outcome import Ending, decide
-from worker.proc import trainer_env
-from worker.supervisor import Claimed, Supervision, WorkerContext, peer_decides_first
+from torchyard.store.db import session_scope
+from torchyard.store.models import Attempt, Job
+from torchyard.store.scheduling import schedule
+from torchyard.store.settings import Settings
+from torchyard.store.states import A_FAILED, A_LOST
+from torchyard.worker.events import last_rank_event
+from torchyard.worker.identity import Device, GpuRow, gpu_device, is_loopback
+from torchyard.worker.outcome import Ending, decide
+from torchyard.worker.proc import trainer_env
+from torchyard.worker.supervisor import Claimed, Supervision, WorkerContext, peer_decides_first
 
 ROWS = [
     GpuRow(0, "GPU-aaaa", "NVIDIA A100-SXM4-80GB", 80 << 30),

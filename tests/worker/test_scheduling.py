@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from worker_factories import make_job, make_worker
 
-from store.attempts import (
+from torchyard.store.attempts import (
     A_FAILED,
     A_HANDED_BACK,
     A_LOST,
@@ -20,11 +20,11 @@ from store.attempts import (
     claim_assignment,
     finish_attempt,
 )
-from store.db import session_factory, session_scope
-from store.models import Assignment, Attempt, Job, Worker, utcnow
-from store.scheduling import schedule
-from store.states import CANCELLING, transition
-from store.workers import (
+from torchyard.store.db import session_factory, session_scope
+from torchyard.store.models import Assignment, Attempt, Job, Worker, utcnow
+from torchyard.store.scheduling import schedule
+from torchyard.store.states import CANCELLING, transition
+from torchyard.store.workers import (
     WorkerInfo,
     reap_stale_workers,
     register_worker,

@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import update
 from worker_factories import make_job, make_worker
 
-from store.db import session_scope
-from store.models import Assignment, Attempt, Job, Worker, utcnow
-from store.settings import Settings
-from worker.identity import SlotTaken, claim_id
-from worker.proc import Launch, trainer_argv, trainer_env
-from worker.scheduler import Scheduler
+from torchyard.store.db import session_scope
+from torchyard.store.models import Assignment, Attempt, Job, Worker, utcnow
+from torchyard.store.settings import Settings
+from torchyard.worker.identity import SlotTaken, claim_id
+from torchyard.worker.proc import Launch, trainer_argv, trainer_env
+from torchyard.worker.scheduler import Scheduler
 
 
 def test_worker_ids_are_stable_and_exclusive(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_trainer_argv_is_a_list_and_ddp_uses_torchrun(tmp_path: Path) -> None:
     one = trainer_argv(
         Launch(spec_path=tmp_path / "s.json", run_dir=tmp_path, resume=tmp_path / "c.pt")
     )
-    assert one[1:3] == ["-m", "trainer"] and one[-2:] == ["--resume", str(tmp_path / "c.pt")]
+    assert one[1:3] == ["-m", "torchyard.trainer"] and one[-2:] == ["--resume", str(tmp_path / "c.pt")]
     ddp = trainer_argv(
         Launch(
             spec_path=tmp_path / "s.json",
@@ -61,7 +61,7 @@ def test_trainer_argv_is_a_list_and_ddp_uses_torchrun(tmp_path: Path) -> None:
         "--master-port=29511",
     ):
         assert flag in ddp
-    assert ddp[ddp.index("-m", 3) + 1] == "trainer"
+    assert ddp[ddp.index("-m", 3) + 1] == "torchyard.trainer"
 
 
 def test_trainer_env_pins_the_device_and_drops_secrets(

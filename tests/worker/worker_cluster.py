@@ -112,7 +112,7 @@ class Cluster:
     # ---- settings and store access from the test process ----------------------------------
 
     def settings(self) -> Any:
-        from store.settings import Settings
+        from torchyard.store.settings import Settings
 
         keys = {k: v for k, v in self.env.items() if k.startswith("TORCHYARD_")}
         old = {k: os.environ.get(k) for k in keys}
@@ -135,7 +135,7 @@ class Cluster:
         return Path(self.settings().storage)
 
     def session(self) -> Any:
-        from store.db import session_scope
+        from torchyard.store.db import session_scope
 
         return session_scope(self.db_url)
 
@@ -167,7 +167,7 @@ class Cluster:
         subprocess.run(
             [sys.executable, "-m", "torchyard", "db", "upgrade"], cwd=ROOT, env=self.env, check=True
         )
-        from store.auth import create_token
+        from torchyard.store.auth import create_token
 
         with self.session() as s:
             self.token = create_token(s, "tester", admin=True)
@@ -258,7 +258,7 @@ class Cluster:
             raise AssertionError(f"{e}\n--- job log ---\n{self.job_log(job_id)[-3000:]}") from None
 
     def job_log(self, job_id: str) -> str:
-        from store.paths import LOG_FILE, job_dir
+        from torchyard.store.paths import LOG_FILE, job_dir
 
         p = job_dir(self.storage, job_id) / LOG_FILE
         return p.read_text(errors="replace") if p.exists() else ""

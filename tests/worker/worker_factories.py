@@ -11,8 +11,8 @@ from typing import Any
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from store.db import dispose_engines
-from store.models import Job, User, Worker, utcnow
+from torchyard.store.db import dispose_engines
+from torchyard.store.models import Job, User, Worker, utcnow
 
 DIGITS_SPEC: dict[str, Any] = {
     "model": {"name": "mlp", "hidden": [32]},
@@ -25,10 +25,10 @@ DIGITS_SPEC: dict[str, Any] = {
 
 def create_schema(url: str) -> None:
     try:
-        from store.migrate import upgrade
+        from torchyard.store.migrate import upgrade
     except ImportError:  # before migrations existed; tests only
-        from store.db import get_engine
-        from store.models import Base
+        from torchyard.store.db import get_engine
+        from torchyard.store.models import Base
 
         Base.metadata.create_all(get_engine(url))
         return
