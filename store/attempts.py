@@ -8,6 +8,7 @@ refused with `Fenced` once the attempt has ended.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from torchyard.store.jobs import bump_version_of_attempt
 from torchyard.store.lifecycle import counted_failures, fence, finish_attempt
 from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, Worker, utcnow
 from torchyard.store.paths import UnsafePath, resolve_inside
@@ -28,6 +30,9 @@ from torchyard.store.states import (
     A_SUCCEEDED,
     ATTEMPT_ACTIVE,
     ATTEMPT_COUNTED,
+    CANCELLING,
+    W_LOST,
+    W_STOPPED,
 )
 
 __all__ = [  # the attempt vocabulary callers import from here
@@ -61,6 +66,43 @@ def assignments_of(session: Session, attempt_id: int) -> list[Assignment]:
         session.scalars(
             select(Assignment).where(Assignment.attempt_id == attempt_id).order_by(Assignment.rank)
         )
+    )
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """What a worker needs to run the rank it just claimed."""
+
+    assignment_id: int
+    attempt_id: int
+    attempt_number: int
+    job_id: str
+    rank: int
+    world_size: int
+    spec: dict[str, Any]
+    cancelling: bool
+
+
+def claim_rank(session: Session, assignment_id: int, worker_id: str) -> Claimed | None:
+    """`claim_assignment`, and what the worker needs to run the rank; None: start nothing."""
+    a = claim_assignment(session, assignment_id, worker_id)
+    if a is None:
+        return None
+    row = session.execute(
+        select(Attempt.number, Attempt.world_size, Job.spec, Job.state, Job.cancel_requested)
+        .join(Job, Job.id == Attempt.job_id)
+        .where(Attempt.id == a.attempt_id)
+    ).one()
+    number, world_size, spec, job_state, cancel_requested = row
+    return Claimed(
+        assignment_id=a.id,
+        attempt_id=a.attempt_id,
+        attempt_number=number,
+        job_id=a.job_id,
+        rank=a.rank,
+        world_size=world_size,
+        spec=dict(spec),
+        cancelling=job_state == CANCELLING or bool(cancel_requested),
     )
 
 
@@ -104,6 +146,7 @@ def mark_launched(
         .values(**values)
         .execution_options(synchronize_session=False)
     )
+    bump_version_of_attempt(session, a.attempt_id)
 
 
 def set_endpoint(session: Session, attempt_id: int, endpoint: str) -> None:
@@ -114,6 +157,7 @@ def set_endpoint(session: Session, attempt_id: int, endpoint: str) -> None:
         .values(rank0_endpoint=endpoint)
         .execution_options(synchronize_session=False)
     )
+    bump_version_of_attempt(session, attempt_id)
 
 
 def read_endpoint(session: Session, attempt_id: int) -> tuple[str | None, str | None]:
@@ -135,8 +179,14 @@ def attempt_hosts(session: Session, attempt_id: int) -> list[str]:
     return sorted(rows)
 
 
-def attempt_state(session: Session, attempt_id: int) -> str | None:
-    return session.scalar(select(Attempt.state).where(Attempt.id == attempt_id))
+def job_and_attempt_state(session: Session, attempt_id: int) -> tuple[str | None, str | None]:
+    """(the job's state, the attempt's state); (None, None) when the attempt is gone."""
+    row = session.execute(
+        select(Job.state, Attempt.state)
+        .join(Attempt, Attempt.job_id == Job.id)
+        .where(Attempt.id == attempt_id)
+    ).first()
+    return (row[0], row[1]) if row else (None, None)
 
 
 def ingest_start(session: Session, job_id: str) -> int:
@@ -267,18 +317,17 @@ def abandon_assignments_of_gone_workers(session: Session, older_than: datetime) 
     """Unclaimed ranks of live attempts whose worker stopped or was lost before it could
     start them (a stop racing an assignment): the attempt is handed back, not counted."""
     rows = session.execute(
-        select(Assignment.attempt_id, Worker.id)
+        select(Assignment.attempt_id, Assignment.job_id, Worker.id)
         .join(Attempt, Attempt.id == Assignment.attempt_id)
         .join(Worker, Worker.id == Assignment.worker_id)
         .where(
             *unclaimed_since(older_than),
-            Worker.state.in_(("stopped", "lost")),
+            Worker.state.in_((W_STOPPED, W_LOST)),
         )
     ).all()
     jobs = []
-    for attempt_id, wid in rows:
+    for attempt_id, job_id, wid in rows:
         why = f"worker {wid} went away before starting its rank"
-        state = finish_attempt(session, attempt_id, A_HANDED_BACK, reason=why)
-        if state is not None:
-            jobs.append(state)
+        if finish_attempt(session, attempt_id, A_HANDED_BACK, reason=why) is not None:
+            jobs.append(job_id)
     return jobs

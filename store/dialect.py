@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ARRAY, ColumnElement, any_, bindparam, func, select
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
 
 from torchyard.store.models import utcnow
 
 
-def is_postgres(session: Session) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
+def is_postgres(db: Session | Connection) -> bool:
+    bind = db.get_bind() if isinstance(db, Session) else db
+    return bind.dialect.name == "postgresql"
 
 
 def db_now(session: Session) -> datetime:
@@ -29,3 +34,26 @@ def db_now(session: Session) -> datetime:
 def db_now_value(session: Session) -> Any:
     """The database's clock as a value to write (no extra round trip on PostgreSQL)."""
     return func.now() if is_postgres(session) else utcnow()
+
+
+# Batches on PostgreSQL travel as one array per column: a statement with thousands of
+# placeholders costs more to build and parse than to run.
+
+
+def in_list(session: Session, column: Any, values: Sequence[Any]) -> ColumnElement[bool]:
+    """`column IN values`: `= ANY(array)` on PostgreSQL (one parameter), IN elsewhere."""
+    if is_postgres(session):
+        return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))
+    return column.in_(values)  # type: ignore[no-any-return]
+
+
+def unnest(
+    name: str, ordinality: str | None = None, **columns: tuple[Sequence[Any], TypeEngine[Any]]
+) -> TableValuedAlias:
+    """PostgreSQL: the rows of parallel arrays, `unnest(a, b, …) AS name(col, …)`, in
+    order (numbered in `ordinality` when given); one parameter per column."""
+    arrays = [bindparam(None, list(v), type_=ARRAY(t)) for v, t in columns.values()]
+    fn = func.unnest(*arrays)
+    if ordinality:
+        return fn.table_valued(*columns, with_ordinality=ordinality).render_derived(name=name)
+    return fn.table_valued(*columns).render_derived(name=name)

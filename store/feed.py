@@ -66,6 +66,40 @@ class FeedPage:
         return self.state is None or (self.state in TERMINAL and not self.items)
 
 
+def _metrics(session: Session, job_id: str, after: int, limit: int) -> list[Any]:
+    return list(
+        session.execute(
+            select(Metric.id, Metric.name, Metric.step, Metric.epoch, Metric.value, Metric.time)
+            .where(Metric.job_id == job_id, Metric.id > after)
+            .order_by(Metric.id)
+            .limit(limit)
+        ).all()
+    )
+
+
+def _checkpoint_data(c: Checkpoint) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "step": int(c.step),
+        "epoch": c.epoch,
+        "kind": c.kind,
+        "bytes": int(c.bytes),
+        "sha256": c.sha256,
+        "attempt": c.attempt,
+        "created_at": c.created_at.isoformat(),
+    }
+
+
+def _state_data(ev: JobEvent) -> dict[str, Any]:
+    return {
+        "state": ev.data.get("to"),
+        "from": ev.data.get("from"),
+        "reason": ev.data.get("reason"),
+        "attempt": ev.data.get("attempt"),
+        "time": ev.created_at.isoformat(),
+    }
+
+
 def poll(session: Session, job_id: str, cursor: FeedCursor, limit: int = 500) -> FeedPage:
     """The next items after `cursor`: metrics, then checkpoints, then state changes
     (so the final state comes after the last points it follows)."""
@@ -73,16 +107,9 @@ def poll(session: Session, job_id: str, cursor: FeedCursor, limit: int = 500) ->
     # is already committed and will be seen by the queries below.
     state = session.scalar(select(Job.state).where(Job.id == job_id))
     items: list[FeedItem] = []
-    more = False
     cur = cursor
 
-    metrics = session.execute(
-        select(Metric.id, Metric.name, Metric.step, Metric.epoch, Metric.value, Metric.time)
-        .where(Metric.job_id == job_id, Metric.id > cursor.metric)
-        .order_by(Metric.id)
-        .limit(limit)
-    ).all()
-    more |= len(metrics) == limit
+    metrics = _metrics(session, job_id, cursor.metric, limit)
     for mid, name, step, epoch, value, time in metrics:
         cur = replace(cur, metric=mid)
         data = {"name": name, "step": int(step), "epoch": epoch, "value": value, "time": time}
@@ -94,20 +121,9 @@ def poll(session: Session, job_id: str, cursor: FeedCursor, limit: int = 500) ->
         .order_by(Checkpoint.id)
         .limit(limit)
     ).all()
-    more |= len(checkpoints) == limit
     for c in checkpoints:
         cur = replace(cur, checkpoint=c.id)
-        data = {
-            "id": c.id,
-            "step": int(c.step),
-            "epoch": c.epoch,
-            "kind": c.kind,
-            "bytes": int(c.bytes),
-            "sha256": c.sha256,
-            "attempt": c.attempt,
-            "created_at": c.created_at.isoformat(),
-        }
-        items.append(FeedItem("checkpoint", data, cur))
+        items.append(FeedItem("checkpoint", _checkpoint_data(c), cur))
 
     events = session.scalars(
         select(JobEvent)
@@ -115,19 +131,11 @@ def poll(session: Session, job_id: str, cursor: FeedCursor, limit: int = 500) ->
         .order_by(JobEvent.id)
         .limit(limit)
     ).all()
-    more |= len(events) == limit
     for ev in events:
         cur = replace(cur, event=ev.id)
-        if ev.type != "state":
-            continue  # other job events (worker notes) are not part of the stream
-        data = {
-            "state": ev.data.get("to"),
-            "from": ev.data.get("from"),
-            "reason": ev.data.get("reason"),
-            "attempt": ev.data.get("attempt"),
-            "time": ev.created_at.isoformat(),
-        }
-        items.append(FeedItem("state", data, cur))
+        if ev.type == "state":  # other job events (worker notes) are not part of the stream
+            items.append(FeedItem("state", _state_data(ev), cur))
     # Skipped non-state events advance `cursor` but no item: a resumed stream reads
     # and skips them again, which is harmless.
+    more = limit in (len(metrics), len(checkpoints), len(events))
     return FeedPage(state=state, items=items, cursor=cur, more=more)

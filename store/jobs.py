@@ -1,5 +1,6 @@
 """Jobs as the API sees them: submit (idempotent), list (newest first, keyset cursor),
-look up what a user may see, and record a cancel request.
+look up what a user may see, record a cancel request, the one-statement snapshot every
+job body is built from, and the job's version (what a conditional GET reads).
 
 The API writes only the intent columns (spec, name, owner, priority, cancel_requested);
 every state change goes through `store.states.transition`.
@@ -8,6 +9,7 @@ every state change goes through `store.states.transition`.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -15,11 +17,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, and_, literal_column, or_, select
+from sqlalchemy import JSON, Select, and_, bindparam, literal_column, or_, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from torchyard.store.models import Assignment, Attempt, IdempotencyKey, Job, JobEvent, User, utcnow
+from torchyard.store.dialect import is_postgres
+from torchyard.store.models import Attempt, IdempotencyKey, Job, JobEvent, User, utcnow
 from torchyard.store.states import (
     CANCELLED,
     CANCELLING,
@@ -75,6 +79,50 @@ def _replay(session: Session, user_id: int, key: str, request_hash: str) -> Job 
     return job
 
 
+def _new_job(owner_id: int, spec: dict[str, Any], name: str, now: datetime) -> Job:
+    return Job(
+        owner_id=owner_id,
+        name=name,
+        spec=spec,
+        world_size=int(spec.get("world_size", 1)),
+        priority=int(spec.get("priority", 0)),
+        max_restarts=int(spec.get("max_restarts", 2)),
+        state=QUEUED,
+        attempt=1,
+        cancel_requested=False,
+        created_at=now,
+        updated_at=now,
+    )
+
+
+def _insert(session: Session, job: Job, key: str | None, request_hash: str) -> None:
+    """The job, its `queued` event and its idempotency key, in a savepoint: losing a race
+    on the same key (IntegrityError) leaves the session usable."""
+    now = job.created_at
+    with session.begin_nested():
+        session.add(job)
+        session.flush()
+        session.add(
+            JobEvent(
+                job_id=job.id,
+                type="state",
+                data={"from": None, "to": QUEUED, "reason": "submitted", "attempt": 1},
+                created_at=now,
+            )
+        )
+        if key is not None:
+            session.add(
+                IdempotencyKey(
+                    user_id=job.owner_id,
+                    key=key,
+                    request_hash=request_hash,
+                    job_id=job.id,
+                    created_at=now,
+                )
+            )
+        session.flush()
+
+
 def create_job(
     session: Session,
     owner_id: int,
@@ -93,44 +141,9 @@ def create_job(
         job = _replay(session, owner_id, idempotency_key, request_hash)
         if job is not None:
             return job, False
-    now = utcnow()
-    job = Job(
-        owner_id=owner_id,
-        name=name,
-        spec=spec,
-        world_size=int(spec.get("world_size", 1)),
-        priority=int(spec.get("priority", 0)),
-        max_restarts=int(spec.get("max_restarts", 2)),
-        state=QUEUED,
-        attempt=1,
-        cancel_requested=False,
-        created_at=now,
-        updated_at=now,
-    )
+    job = _new_job(owner_id, spec, name, utcnow())
     try:
-        # A savepoint, so that losing a race on the same key leaves the session usable.
-        with session.begin_nested():
-            session.add(job)
-            session.flush()
-            session.add(
-                JobEvent(
-                    job_id=job.id,
-                    type="state",
-                    data={"from": None, "to": QUEUED, "reason": "submitted", "attempt": 1},
-                    created_at=now,
-                )
-            )
-            if idempotency_key is not None:
-                session.add(
-                    IdempotencyKey(
-                        user_id=owner_id,
-                        key=idempotency_key,
-                        request_hash=request_hash,
-                        job_id=job.id,
-                        created_at=now,
-                    )
-                )
-            session.flush()
+        _insert(session, job, idempotency_key, request_hash)
     except IntegrityError:
         if idempotency_key is None:
             raise
@@ -201,22 +214,6 @@ def list_jobs(
     return page, next_cursor
 
 
-def attempts_of(session: Session, job_id: str) -> list[tuple[Attempt, list[Assignment]]]:
-    """Every attempt of a job, oldest first, each with its rank assignments."""
-    rows = session.execute(
-        select(Attempt, Assignment)
-        .outerjoin(Assignment, Assignment.attempt_id == Attempt.id)
-        .where(Attempt.job_id == job_id)
-        .order_by(Attempt.number, Assignment.rank)
-    ).all()
-    out: dict[int, tuple[Attempt, list[Assignment]]] = {}
-    for attempt, assignment in rows:
-        entry = out.setdefault(attempt.id, (attempt, []))
-        if assignment is not None:
-            entry[1].append(assignment)
-    return list(out.values())
-
-
 def request_cancel(session: Session, job: Job) -> Job:
     """Record a cancel: queued→cancelled at once, starting/running→cancelling (the worker
     then stops the trainer). Idempotent for a job already cancelling or cancelled;
@@ -240,7 +237,7 @@ def request_cancel(session: Session, job: Job) -> Job:
 
 # Attempts (with their workers) and the newest point of each metric, aggregated to JSON in
 # the same statement as the job row: one round trip and one snapshot. `{agg}`, `{obj}` and
-# `{objagg}` are the dialect's JSON functions.
+# `{sub}` are the dialect's JSON functions.
 _ATTEMPTS_JSON = """(
 SELECT {agg}({obj}(
     'number', a.number, 'state', a.state, 'rank0_endpoint', a.rank0_endpoint,
@@ -250,32 +247,49 @@ SELECT {agg}({obj}(
                       FROM assignments s WHERE s.attempt_id = a.id))))
 FROM attempts a WHERE a.job_id = jobs.id)"""
 
-_LATEST_JSON = """(
+# The newest point of each metric, in one index probe per name on
+# uq_metrics_job_name_step: walk the names downwards, each probe landing on the next name's
+# last step (PostgreSQL; SQLite has no LATERAL, so it finds each name, then its last
+# step). Non-finite values have no JSON spelling: null
+# (PostgreSQL sorts NaN above every number).
+_LATEST_JSON = {
+    "postgresql": """(
+WITH RECURSIVE latest AS (
+    (SELECT m.name, m.step, m.value FROM metrics m WHERE m.job_id = jobs.id
+     ORDER BY m.name DESC, m.step DESC LIMIT 1)
+    UNION ALL
+    SELECT nx.name, nx.step, nx.value FROM latest l, LATERAL (
+        SELECT m.name, m.step, m.value FROM metrics m
+        WHERE m.job_id = jobs.id AND m.name < l.name
+        ORDER BY m.name DESC, m.step DESC LIMIT 1) nx
+)
+SELECT json_object_agg(name, json_build_object('step', step, 'value',
+    CASE WHEN value > 1e308 OR value < -1e308 THEN NULL ELSE value END) ORDER BY name)
+FROM latest)""",
+    "sqlite": """(
 WITH RECURSIVE names(name) AS (
     SELECT MIN(name) FROM metrics WHERE job_id = jobs.id
     UNION ALL
     SELECT (SELECT MIN(m.name) FROM metrics m WHERE m.job_id = jobs.id AND m.name > names.name)
     FROM names WHERE names.name IS NOT NULL
 )
-SELECT {objagg}(n.name, {obj}('step', m.step, 'value',
-    -- non-finite values have no JSON spelling: null (PostgreSQL sorts NaN above all)
+SELECT json_group_object(n.name, json_object('step', m.step, 'value',
     CASE WHEN m.value > 1e308 OR m.value < -1e308 THEN NULL ELSE m.value END))
 FROM names n
 JOIN metrics m ON m.job_id = jobs.id AND m.name = n.name
-    AND m.step = (SELECT MAX(x.step) FROM metrics x WHERE x.job_id = jobs.id AND x.name = n.name))"""
+    AND m.step = (SELECT MAX(x.step) FROM metrics x WHERE x.job_id = jobs.id AND x.name = n.name))""",
+}
 
 _JSON_FUNCS = {
     "postgresql": {
         "agg": "json_agg",
         "obj": "json_build_object",
-        "objagg": "json_object_agg",
         "sub": "",
     },
     # json(): a subquery's JSON text nests as JSON, not as a string
     "sqlite": {
         "agg": "json_group_array",
         "obj": "json_object",
-        "objagg": "json_group_object",
         "sub": "json",
     },
 }
@@ -289,28 +303,44 @@ def _parse_time(value: Any) -> datetime | None:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
-def job_snapshot(session: Session, viewer: Viewer, job_id: str) -> dict[str, Any] | None:
-    """Everything GET /v1/jobs/{id} shows, in one statement: the job's columns, `owner`,
-    `attempts` (oldest first, each with `workers` by rank) and `latest_metrics`
-    (`{name: {step, value}}`). None when missing or not visible to the viewer."""
-    if len(job_id) > 64:
-        return None
-    funcs = _JSON_FUNCS[
-        "postgresql" if session.get_bind().dialect.name == "postgresql" else "sqlite"
-    ]
+@functools.cache
+def _snapshot_stmt(dialect: str, admin: bool) -> Select[Any]:
+    """The statement of job_snapshot, built once per dialect and viewer kind (building it
+    per request cost more than running it)."""
+    dialect = "postgresql" if dialect == "postgresql" else "sqlite"
+    funcs = _JSON_FUNCS[dialect]
     stmt = (
         select(
             Job.__table__,
             User.name.label("owner"),
             literal_column(_ATTEMPTS_JSON.format(**funcs), JSON).label("attempts"),
-            literal_column(_LATEST_JSON.format(**funcs), JSON).label("latest_metrics"),
+            literal_column(_LATEST_JSON[dialect], JSON).label("latest_metrics"),
         )
         .join(User, User.id == Job.owner_id)
-        .where(Job.id == job_id)
+        .where(Job.id == bindparam("job_id"))
     )
-    if not viewer.is_admin:
-        stmt = stmt.where(Job.owner_id == viewer.user_id)
-    row = session.execute(stmt).mappings().first()
+    return stmt if admin else stmt.where(Job.owner_id == bindparam("user_id"))
+
+
+def _params(viewer: Viewer, job_id: str) -> dict[str, Any]:
+    return {"job_id": job_id} if viewer.is_admin else {"job_id": job_id, "user_id": viewer.user_id}
+
+
+def _connection(db: Session | Connection) -> Connection:
+    # A bare connection spares the hot read path a Session's set-up and tear-down.
+    return db.connection() if isinstance(db, Session) else db
+
+
+def job_snapshot(db: Session | Connection, viewer: Viewer, job_id: str) -> dict[str, Any] | None:
+    """Everything GET /v1/jobs/{id} shows, in one statement: the job's columns (`version`
+    included), `owner`, `attempts` (oldest first, each with `workers` by rank) and
+    `latest_metrics` (`{name: {step, value}}`). None when missing or not visible to the
+    viewer. Every route that answers with a job builds it from this."""
+    if len(job_id) > 64:
+        return None
+    conn = _connection(db)
+    stmt = _snapshot_stmt("postgresql" if is_postgres(conn) else "sqlite", viewer.is_admin)
+    row = conn.execute(stmt, _params(viewer, job_id)).mappings().first()
     if row is None:
         return None
     out = dict(row)
@@ -322,3 +352,60 @@ def job_snapshot(session: Session, viewer: Viewer, job_id: str) -> dict[str, Any
     out["attempts"] = attempts
     out["latest_metrics"] = out["latest_metrics"] or {}
     return out
+
+
+# --- the version: what a conditional GET reads instead of the whole job ----------------
+
+_VERSION = {
+    True: select(Job.version).where(Job.id == bindparam("job_id")),
+    False: select(Job.version).where(
+        Job.id == bindparam("job_id"), Job.owner_id == bindparam("user_id")
+    ),
+}
+
+
+def job_version(db: Session | Connection, viewer: Viewer, job_id: str) -> int | None:
+    """The job's version (one primary-key read), or None when it is missing or not
+    visible to the viewer. It changes whenever the job row or its metrics do."""
+    if len(job_id) > 64:
+        return None
+    version = _connection(db).execute(_VERSION[viewer.is_admin], _params(viewer, job_id)).scalar()
+    return int(version) if version is not None else None
+
+
+def bump_version(session: Session, job_id: str) -> None:
+    """Mark the job changed where no job column is written (a batch of metrics), so that a
+    conditional GET does not answer 304 with old data. Every UPDATE of the row bumps it
+    already (Job.version's onupdate): a batch writer that also sets `progress` needs
+    no call."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(version=Job.version + 1)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def set_progress(
+    session: Session, job_id: str, attempt_number: int, progress: dict[str, Any]
+) -> None:
+    """The one write of a job's progress (a worker's flush): only while `attempt_number` is
+    the job's current attempt, so a late batch of an ended attempt cannot overwrite it."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.attempt == attempt_number)
+        .values(progress=progress)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def bump_version_of_attempt(session: Session, attempt_id: int) -> None:
+    """`bump_version` for a write to an attempt row (pid, start time, endpoint, ending), which
+    GET /v1/jobs/{id} shows but which does not UPDATE the job row."""
+    job_id = select(Attempt.job_id).where(Attempt.id == attempt_id).scalar_subquery()
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(version=Job.version + 1)
+        .execution_options(synchronize_session=False)
+    )

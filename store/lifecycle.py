@@ -22,6 +22,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from torchyard.store.dialect import is_postgres
+from torchyard.store.jobs import bump_version_of_attempt
 from torchyard.store.models import Assignment, Attempt, Job, utcnow
 from torchyard.store.states import (
     A_CANCELLED,
@@ -89,6 +90,7 @@ def mark_started(session: Session, attempt_id: int) -> None:
     attempt = fence(session, attempt_id)
     if attempt.state != A_RUNNING:
         attempt.state = A_RUNNING
+        bump_version_of_attempt(session, attempt_id)
     job = _locked_job(session, attempt.job_id)
     if job is not None and job.state == STARTING and job.attempt == attempt.number:
         transition(session, job, RUNNING, reason=f"attempt {attempt.number} started")
@@ -114,6 +116,23 @@ def finish_attempt(
       and lost attempts number at most max_restarts, else failed.
     Returns the job's state afterwards, or None if the attempt had already ended.
     """
+    attempt = _end_attempt(session, attempt_id, outcome, exit_code, reason)
+    if attempt is None:
+        return None
+    job = _locked_job(session, attempt.job_id)
+    if job is None:
+        return None
+    if job.attempt != attempt.number or job.state not in (STARTING, RUNNING, CANCELLING):
+        return job.state  # an older attempt, or the API already ended the job
+    _move_job(session, job, attempt.number, outcome, reason or outcome, error, retryable)
+    return job.state
+
+
+def _end_attempt(
+    session: Session, attempt_id: int, outcome: str, exit_code: int | None, reason: str | None
+) -> Attempt | None:
+    """The attempt's row ends (once: None if it had ended already), and its ranks that never
+    started are closed: a message for such a rank must not start it now."""
     now = utcnow()
     res = session.execute(
         update(Attempt)
@@ -123,49 +142,48 @@ def finish_attempt(
     )
     if res.rowcount != 1:  # type: ignore[attr-defined]
         return None
-    attempt = session.get(Attempt, attempt_id, populate_existing=True)
-    assert attempt is not None
-    # A message for a rank that never started must not start it now.
+    bump_version_of_attempt(session, attempt_id)  # GET shows the attempt's end
     session.execute(
         update(Assignment)
         .where(Assignment.attempt_id == attempt_id, Assignment.claimed_at.is_(None))
         .values(ended_at=now)
         .execution_options(synchronize_session=False)
     )
-    job = _locked_job(session, attempt.job_id)
-    if job is None:
-        return None
-    if job.attempt != attempt.number or job.state not in (STARTING, RUNNING, CANCELLING):
-        return job.state  # an older attempt, or the API already ended the job
-    why = reason or outcome
+    return session.get(Attempt, attempt_id, populate_existing=True)
+
+
+def _move_job(
+    session: Session,
+    job: Job,
+    number: int,
+    outcome: str,
+    why: str,
+    error: str | None,
+    retryable: bool,
+) -> None:
+    """What attempt `number`'s end (`outcome`) does to its job (see `finish_attempt`)."""
     if job.state == CANCELLING:
         transition(session, job, SUCCEEDED if outcome == A_SUCCEEDED else CANCELLED, reason=why)
     elif outcome == A_SUCCEEDED:
         if job.state == STARTING:
             # Finished before its `started` event was ingested: keep the history honest.
-            transition(session, job, RUNNING, reason=f"attempt {attempt.number} started")
+            transition(session, job, RUNNING, reason=f"attempt {number} started")
         transition(session, job, SUCCEEDED, reason=why)
-    elif outcome == A_CANCELLED:
-        # Only reachable for a job that is not cancelling: nothing asked for it.
+    elif outcome == A_CANCELLED or (outcome == A_FAILED and not retryable):
+        # A cancel nothing asked for (the job is not cancelling), or a deterministic error.
         transition(session, job, FAILED, reason=why, error=error or why)
     elif outcome == A_HANDED_BACK:
         _requeue(session, job, why, f"handed back: {why}")
-    elif outcome == A_FAILED and not retryable:
-        transition(session, job, FAILED, reason=why, error=error or why)
     else:
         n = counted_failures(session, job.id)
         if n <= job.max_restarts:
             _requeue(session, job, why, f"retrying after: {why}")
         else:
-            msg = error or why
-            transition(
-                session,
-                job,
-                FAILED,
-                reason=why,
-                error=f"{msg} (gave up after {n} failed attempts, max_restarts={job.max_restarts})",
+            msg = (
+                f"{error or why} (gave up after {n} failed attempts, "
+                f"max_restarts={job.max_restarts})"
             )
-    return job.state
+            transition(session, job, FAILED, reason=why, error=msg)
 
 
 def _requeue(session: Session, job: Job, why: str, pending: str) -> None:

@@ -1,5 +1,6 @@
-"""Metric rows: batched, idempotent ingest on (job, name, step), and the queries behind
-the loss-curve routes."""
+"""Metric rows: batched, idempotent ingest on (job, name, step) (the points themselves are
+written by store/ingest.py), the rollup blocks, and the queries behind the loss-curve
+routes."""
 
 from __future__ import annotations
 
@@ -10,54 +11,54 @@ from typing import Any
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
+from torchyard.store.ingest import merge_new_blocks, split_new, write_points
 from torchyard.store.models import Metric, MetricBlock
 
-INGEST_CHUNK = 500
 # Rollup levels (steps per block), finest first: see store.models.MetricBlock.
 BLOCK_LEVELS = (64, 4096)
 
 # Recompute the finest blocks touched by a batch from the points themselves, and each coarser
-# level from the level below, so a replayed (updated) point corrects its rollups too.
+# level from the level below, so a replayed (updated) point corrects its rollups too. One
+# statement per level for every series of the batch: `spans` (name, lo, hi) are the
+# half-open ranges of steps (finest level) or of finer blocks (coarser levels) to redo.
 _BLOCKS_FROM_POINTS_SQL = """
+WITH spans(name, lo, hi) AS (VALUES {spans})
 INSERT INTO metric_blocks (job_id, name, level, block, vmin, vmax, last_step, n)
-SELECT job_id, name, :level, step / :level, MIN(value), MAX(value), MAX(step), COUNT(*)
-FROM metrics
-WHERE job_id = :job AND name = :name AND step >= :lo AND step < :hi
-GROUP BY job_id, name, step / :level
+SELECT m.job_id, m.name, :level, m.step / :level, MIN(m.value), MAX(m.value), MAX(m.step),
+       COUNT(*)
+FROM spans s JOIN metrics m ON m.name = s.name AND m.step >= s.lo AND m.step < s.hi
+WHERE m.job_id = :job
+GROUP BY m.job_id, m.name, m.step / :level
 ON CONFLICT (job_id, name, level, block) DO UPDATE SET
     vmin = excluded.vmin, vmax = excluded.vmax, last_step = excluded.last_step, n = excluded.n
 """
 _BLOCKS_FROM_BLOCKS_SQL = """
+WITH spans(name, lo, hi) AS (VALUES {spans})
 INSERT INTO metric_blocks (job_id, name, level, block, vmin, vmax, last_step, n)
-SELECT job_id, name, :level, block / :ratio, MIN(vmin), MAX(vmax), MAX(last_step), SUM(n)
-FROM metric_blocks
-WHERE job_id = :job AND name = :name AND level = :finer AND block >= :lo AND block < :hi
-GROUP BY job_id, name, block / :ratio
+SELECT b.job_id, b.name, :level, b.block / :ratio, MIN(b.vmin), MAX(b.vmax),
+       MAX(b.last_step), SUM(b.n)
+FROM spans s JOIN metric_blocks b
+    ON b.name = s.name AND b.level = :finer AND b.block >= s.lo AND b.block < s.hi
+WHERE b.job_id = :job
+GROUP BY b.job_id, b.name, b.block / :ratio
 ON CONFLICT (job_id, name, level, block) DO UPDATE SET
     vmin = excluded.vmin, vmax = excluded.vmax, last_step = excluded.last_step, n = excluded.n
 """
 
 
-def _insert(session: Session) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert
-
-
 def ingest_metrics(session: Session, job_id: str, rows: Iterable[dict[str, Any]]) -> int:
-    """Insert-or-update metric rows (keys: name, step, epoch, value, time).
+    """Insert-or-update metric rows (keys: name, step, epoch, value, time) and their
+    rollups, in the session's transaction (store/ingest.py writes the points: new ones
+    inserted and merged into their blocks, replayed ones upserted and their blocks redone).
 
     A replay after resume, or a batch delivered twice, leaves one row per
     (job, name, step) holding the latest value. Returns the number of rows sent.
     """
     values = [
         {
-            "job_id": job_id,
             "name": r["name"],
             "step": int(r["step"]),
-            "epoch": r.get("epoch"),
+            "epoch": None if r.get("epoch") is None else float(r["epoch"]),
             "value": float(r["value"]),
             "time": float(r["time"]),
         }
@@ -65,61 +66,50 @@ def ingest_metrics(session: Session, job_id: str, rows: Iterable[dict[str, Any]]
     ]
     # Within one batch the last row of a key wins (ON CONFLICT cannot touch a row twice).
     dedup = list({(v["name"], v["step"]): v for v in values}.values())
-    insert = _insert(session)
-    for i in range(0, len(dedup), INGEST_CHUNK):
-        stmt = insert(Metric).values(dedup[i : i + INGEST_CHUNK])
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["job_id", "name", "step"],
-            set_={
-                "epoch": stmt.excluded.epoch,
-                "value": stmt.excluded.value,
-                "time": stmt.excluded.time,
-            },
-        )
-        session.execute(stmt)
-    _update_blocks(session, job_id, dedup)
+    new, replayed = split_new(session, job_id, dedup)
+    write_points(session, job_id, new, upsert=False)
+    merge_new_blocks(session, job_id, new, BLOCK_LEVELS)
+    # After the merge: a block holding new and replayed points is then redone from all.
+    write_points(session, job_id, replayed, upsert=True)
+    _update_blocks(session, job_id, replayed)
     return len(dedup)
 
 
+def _redo_blocks(
+    session: Session, sql: str, spans: dict[str, tuple[int, int]], **params: Any
+) -> None:
+    """Run a rollup statement over `spans` (bound as parameters, never inlined)."""
+    values = ", ".join(f"(:n{i}, :lo{i}, :hi{i})" for i in range(len(spans)))
+    for i, (name, (lo, hi)) in enumerate(spans.items()):
+        params.update({f"n{i}": name, f"lo{i}": lo, f"hi{i}": hi})
+    session.execute(text(sql.format(spans=values)), params)
+
+
 def _update_blocks(session: Session, job_id: str, rows: list[dict[str, Any]]) -> None:
-    spans: dict[str, tuple[int, int]] = {}
+    steps: dict[str, tuple[int, int]] = {}
     for r in rows:
-        lo, hi = spans.get(r["name"], (r["step"], r["step"]))
-        spans[r["name"]] = (min(lo, r["step"]), max(hi, r["step"]))
-    for name, (lo, hi) in spans.items():
-        lo = max(lo, 0)  # steps are optimizer steps, never negative
-        if hi < 0:
-            continue
-        finest = BLOCK_LEVELS[0]
-        # Whole blocks: a block is recomputed from all its points, not just the new ones.
-        b_lo, b_hi = lo // finest, hi // finest + 1
-        session.execute(
-            text(_BLOCKS_FROM_POINTS_SQL),
-            {
-                "job": job_id,
-                "name": name,
-                "level": finest,
-                "lo": b_lo * finest,
-                "hi": b_hi * finest,
-            },
-        )
-        finer = finest
-        for level in BLOCK_LEVELS[1:]:
-            ratio = level // finer
-            session.execute(
-                text(_BLOCKS_FROM_BLOCKS_SQL),
-                {
-                    "job": job_id,
-                    "name": name,
-                    "level": level,
-                    "ratio": ratio,
-                    "finer": finer,
-                    "lo": (b_lo // ratio) * ratio,
-                    "hi": (b_hi // ratio + 1) * ratio,
-                },
-            )
-            b_lo, b_hi = b_lo // ratio, b_hi // ratio + 1
-            finer = level
+        lo, hi = steps.get(r["name"], (r["step"], r["step"]))
+        steps[r["name"]] = (min(lo, r["step"]), max(hi, r["step"]))
+    finest = BLOCK_LEVELS[0]
+    # Whole blocks: a block is recomputed from all its points, not just the new ones. Steps
+    # are optimizer steps, never negative.
+    blocks = {
+        name: (max(lo, 0) // finest, hi // finest + 1)
+        for name, (lo, hi) in steps.items()
+        if hi >= 0
+    }
+    if not blocks:
+        return
+    in_steps = {n: (lo * finest, hi * finest) for n, (lo, hi) in blocks.items()}
+    _redo_blocks(session, _BLOCKS_FROM_POINTS_SQL, in_steps, job=job_id, level=finest)
+    finer = finest
+    for level in BLOCK_LEVELS[1:]:
+        ratio = level // finer
+        in_finer = {n: ((lo // ratio) * ratio, (hi // ratio + 1) * ratio) for n, (lo, hi) in blocks.items()}  # fmt: skip
+        _redo_blocks(session, _BLOCKS_FROM_BLOCKS_SQL, in_finer,
+                     job=job_id, level=level, ratio=ratio, finer=finer)  # fmt: skip
+        blocks = {n: (lo // ratio, hi // ratio + 1) for n, (lo, hi) in blocks.items()}
+        finer = level
 
 
 # --- queries -------------------------------------------------------------------------------
@@ -134,17 +124,6 @@ WITH RECURSIVE names(name) AS (
     FROM names WHERE names.name IS NOT NULL
 )
 """
-
-_LATEST_SQL = (
-    _NAMES_SQL
-    + """
-SELECT n.name, m.step, m.value
-FROM names n
-JOIN metrics m ON m.job_id = :job AND m.name = n.name
-    AND m.step = (SELECT MAX(x.step) FROM metrics x WHERE x.job_id = :job AND x.name = n.name)
-ORDER BY n.name
-"""
-)
 
 # One point per bucket of `width` steps: the last (step, value) of the bucket, and the
 # bucket's min and max, so a spike between two kept points still shows. `src` yields
@@ -182,12 +161,6 @@ def metric_names(session: Session, job_id: str) -> list[str]:
         {"job": job_id},
     )
     return [r[0] for r in rows]
-
-
-def latest_metrics(session: Session, job_id: str) -> dict[str, dict[str, Any]]:
-    """`{name: {"step", "value"}}`: the newest point of each metric of a job."""
-    rows = session.execute(text(_LATEST_SQL), {"job": job_id})
-    return {name: {"step": int(step), "value": value} for name, step, value in rows}
 
 
 def _raw_series(

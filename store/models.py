@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    literal_column,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -101,12 +102,30 @@ class Job(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # +1 on every UPDATE of the row, whoever writes it (onupdate), and for metrics by
+    # store.jobs.bump_version: the ETag of GET /v1/jobs/{id} and its /metrics.
+    version: Mapped[int] = mapped_column(
+        BigInteger, default=0, server_default="0", onupdate=literal_column("version + 1")
+    )
 
     __table_args__ = (
-        # The scheduler's scan: queued jobs by priority then age.
+        # Jobs by state (lists and counts), then priority and age. The scheduler reads the
+        # queue head through ix_jobs_queued_order below.
         Index("ix_jobs_state_priority_created", "state", "priority", "created_at"),
         Index("ix_jobs_owner_created", "owner_id", "created_at"),
     )
+
+
+# The scheduler's queue head (store/queue.py): only queued jobs, already in pass order, so
+# the head of a 100k-job queue is read off the index without sorting every queued job.
+Index(
+    "ix_jobs_queued_order",
+    Job.priority.desc(),
+    Job.created_at,
+    Job.id,
+    postgresql_where=Job.state == "queued",
+    sqlite_where=Job.state == "queued",
+)
 
 
 class JobEvent(Base):

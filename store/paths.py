@@ -1,14 +1,25 @@
-"""Where a job's files live under the storage root, and the one check that a stored
-path stays inside its job's directory (symlinks resolved) before anything opens it."""
+"""Where a job's files live under the storage root, the one check that a stored path
+stays inside its job's directory (symlinks resolved) before anything opens it, and the
+advisory lock files under TORCHYARD_HOME (a worker's slot, `torchyard up`'s home)."""
 
 from __future__ import annotations
 
+import fcntl
 import re
 from pathlib import Path
+from typing import IO
 
 from torchyard.trainer.eventfiles import EVENTS_FILE
 
-__all__ = ["EVENTS_FILE", "LOG_FILE", "SPEC_FILE", "UnsafePath", "job_dir", "resolve_inside"]
+__all__ = [
+    "EVENTS_FILE",
+    "LOG_FILE",
+    "SPEC_FILE",
+    "UnsafePath",
+    "job_dir",
+    "resolve_inside",
+    "try_lock",
+]
 
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -37,3 +48,17 @@ def resolve_inside(base: Path, relative: str) -> Path:
     if target != root and root not in target.parents:
         raise UnsafePath(f"refused path {relative!r}: outside the job directory")
     return target
+
+
+def try_lock(path: Path) -> IO[str] | None:
+    """An exclusive advisory lock on `path` (created if missing), held while the returned
+    file stays open; the kernel drops it with the process, even on SIGKILL. None when
+    another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = path.open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f

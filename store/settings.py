@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     workers on one host should split its cores (`torchyard up` does), as oversubscribed
     threads slow training many times over. Fixed per cluster, not derived from load, since
     CPU results are bitwise reproducible (exact resume) only at one thread count."""
+    warm_trainer: bool = True
+    """TORCHYARD_WARM_TRAINER: each worker keeps one trainer process started, torch imported,
+    waiting for its next one-rank job (worker/standby.py), so the job's first step comes
+    without the import wait; it holds ~680 MB of memory while idle. false: start every
+    trainer when its job arrives."""
     claim_timeout_s: float = Field(default=30.0, gt=0)
     """TORCHYARD_CLAIM_TIMEOUT_S: an assignment no worker has claimed this long after it was
     sent is handed back (not counted as a failure) and given to another worker; the silent

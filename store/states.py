@@ -1,13 +1,16 @@
-"""The job state machine. Every change of a job's state goes through `transition`."""
+"""The job state machine (every change of a job's state goes through `transition`, or
+`transition_many` for a batch), and the names of attempt and worker states."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import JSON, String, cast, insert, literal, select, update
 from sqlalchemy.orm import Session
 
-from torchyard.store.models import Job, JobEvent, utcnow
+from torchyard.store.dialect import in_list, is_postgres, unnest
+from torchyard.store.models import Job, JobEvent, UTCDateTime, utcnow
 
 QUEUED, STARTING, RUNNING = "queued", "starting", "running"
 SUCCEEDED, FAILED, CANCELLING, CANCELLED = "succeeded", "failed", "cancelling", "cancelled"
@@ -27,6 +30,12 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     CANCELLED: frozenset(),
 }
 
+
+# Worker states: idle (may be assigned), busy (holds an assignment), lost (heartbeat stale),
+# stopped (deregistered, or stopping: no new work). store/workers.py re-exports them as
+# IDLE, BUSY, LOST, STOPPED.
+W_IDLE, W_BUSY, W_LOST, W_STOPPED = "idle", "busy", "lost", "stopped"
+W_LIVE = (W_IDLE, W_BUSY)
 
 # Attempt states (one try at running a job).
 A_STARTING, A_RUNNING = "starting", "running"
@@ -100,3 +109,51 @@ def transition(
         )
     )
     return job
+
+
+def transition_many(
+    session: Session, jobs: list[tuple[str, int, str]], from_state: str, to_state: str
+) -> bool:
+    """`transition` for many jobs in one statement: (job id, its attempt, reason) each, all
+    moving from `from_state` to `to_state`, with their `state` job events. Conditional on
+    every job still being in `from_state`: False (and the caller rolls back) when one
+    changed concurrently."""
+    if not can_transition(from_state, to_state):
+        raise IllegalTransition(",".join(j for j, _, _ in jobs), from_state, to_state)
+    if to_state == RUNNING:  # started_at is per job: `transition` sets it
+        raise ValueError("transition_many does not move jobs to running")
+    if not jobs:
+        return True
+    now = utcnow()
+    values: dict[str, Any] = {"state": to_state, "updated_at": now}
+    if to_state != QUEUED:
+        values["pending_reason"] = None
+    if to_state in TERMINAL:
+        values["finished_at"] = now
+    res = session.execute(
+        update(Job)
+        .where(in_list(session, Job.id, [j for j, _, _ in jobs]), Job.state == from_state)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if res.rowcount != len(jobs):  # type: ignore[attr-defined]
+        return False
+    events = [
+        (jid, {"from": from_state, "to": to_state, "reason": why, "attempt": attempt})
+        for jid, attempt, why in jobs
+    ]
+    t = JobEvent.__table__
+    if is_postgres(session):
+        u = unnest(
+            "u",
+            job=([j for j, _ in events], String()),
+            data=([json.dumps(d) for _, d in events], String()),
+        )
+        rows = select(u.c.job, literal("state"), cast(u.c.data, JSON), literal(now, UTCDateTime))
+        session.execute(insert(t).from_select(["job_id", "type", "data", "created_at"], rows))
+    else:
+        session.execute(
+            insert(t),
+            [{"job_id": j, "type": "state", "data": d, "created_at": now} for j, d in events],
+        )
+    return True

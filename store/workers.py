@@ -1,9 +1,9 @@
 """Worker rows: registration, heartbeats, release after a job, clean deregistration, and
 the reaper that declares silent workers lost and sends their jobs back to the queue.
 
-States: idle (may be assigned), busy (holds an assignment), lost (heartbeat stale),
-stopped (deregistered, or stopping: no new work). Only `idle` workers with a fresh
-heartbeat are scheduled.
+States (named in store/states.py): idle (may be assigned), busy (holds an assignment),
+lost (heartbeat stale), stopped (deregistered, or stopping: no new work). Only `idle`
+workers with a fresh heartbeat are scheduled.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from torchyard.store.attempts import (
 )
 from torchyard.store.dialect import db_now, db_now_value, is_postgres
 from torchyard.store.models import Assignment, Attempt, Worker, utcnow
+from torchyard.store.states import W_BUSY, W_IDLE, W_LIVE, W_LOST, W_STOPPED
 
-IDLE, BUSY, LOST, STOPPED = "idle", "busy", "lost", "stopped"
-LIVE = (IDLE, BUSY)
+IDLE, BUSY, LOST, STOPPED, LIVE = W_IDLE, W_BUSY, W_LOST, W_STOPPED, W_LIVE
 
 
 @dataclass(frozen=True)

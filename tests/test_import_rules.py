@@ -4,11 +4,16 @@ also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("lite
 - `trainer` imports nothing of ours and no service library (fastapi, celery, sqlalchemy,
   redis, kombu, …): it runs under plain torchrun.
 - `trainer/spec.py` imports pydantic only (and the standard library), never torch;
-  `trainer/__init__.py`, `trainer/exitcodes.py` and `trainer/eventfiles.py` import the standard library only, so
+  `trainer/eventmodel.py` likewise; `trainer/__init__.py`, `trainer/exitcodes.py`,
+  `trainer/eventfiles.py` and `trainer/parent.py` import the standard library only, so
   the API and the worker load them without torch.
-- `api` and `worker` import `store` and `trainer.spec` (`trainer.exitcodes`, `trainer.eventfiles` too), never each
-  other and never the trainer's training code.
-- `store` sits below them: it imports neither api, worker, client nor training code.
+- `api` and `worker` import `store`, `broker`, `scheduler` and `trainer.spec`
+  (`trainer.exitcodes`, `trainer.eventfiles`, `trainer.eventmodel`, `trainer.parent` too),
+  never each other and never the trainer's training code.
+- `broker` (the Celery app and the embedded transport) imports `store.settings` only.
+- `scheduler` (the scheduling pass and its policy) imports `store` and `trainer.spec` only.
+- `store` sits below them all: it imports neither api, worker, broker, scheduler, client
+  nor training code.
 - `client` imports nothing server-side: HTTP only.
 - Every part is installed and imported under the one `torchyard` namespace (the repository's
   `trainer/` folder is `torchyard.trainer`): no file imports a bare `trainer`, `store`, ….
@@ -28,7 +33,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = {"trainer", "store", "api", "worker", "client", "migrations"}  # folders = subpackages
+PARTS = {"trainer", "store", "api", "worker", "client", "migrations", "broker", "scheduler"}
+# (folders = subpackages)
 OURS = PARTS | {"torchyard"}
 SERVICE_LIBS = {"fastapi", "starlette", "uvicorn", "celery", "kombu", "sqlalchemy", "alembic",
                 "redis", "psycopg", "psycopg2", "pydantic_settings"}  # fmt: skip
@@ -36,6 +42,8 @@ TRAINER_PUBLIC = {
     "trainer.spec",
     "trainer.exitcodes",
     "trainer.eventfiles",
+    "trainer.parent",
+    "trainer.eventmodel",
 }  # torch-free, for api and worker
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
@@ -144,6 +152,8 @@ def test_trainer_imports_nothing_of_ours_and_no_service_library() -> None:
         ("trainer/spec.py", STDLIB | {"pydantic", "pydantic_core"}),
         ("trainer/exitcodes.py", STDLIB),
         ("trainer/eventfiles.py", STDLIB),
+        ("trainer/parent.py", STDLIB),
+        ("trainer/eventmodel.py", STDLIB | {"pydantic", "pydantic_core"}),
         ("trainer/__init__.py", STDLIB),
     ],
 )
@@ -158,7 +168,7 @@ def test_spec_and_exitcodes_load_without_torch() -> None:
     trainer/__init__.py)."""
     code = (
         "import sys, torchyard.trainer.spec, torchyard.trainer.exitcodes, "
-        "torchyard.trainer.eventfiles; "
+        "torchyard.trainer.eventfiles, torchyard.trainer.parent, torchyard.trainer.eventmodel; "
         "heavy = sorted(m for m in ('torch', 'numpy', 'torchvision') if m in sys.modules); "
         "print(','.join(heavy))"
     )
@@ -172,12 +182,30 @@ def _uses_trainer_beyond_spec(i: Import) -> bool:
     return i.top == "trainer" and i.module not in TRAINER_PUBLIC
 
 
-@pytest.mark.parametrize(("package", "forbidden"), [("api", {"worker", "client"}),
-                                                    ("worker", {"api", "client"}),
-                                                    ("store", {"api", "worker", "client"})])  # fmt: skip
+@pytest.mark.parametrize(("package", "forbidden"), [
+    ("api", {"worker", "client"}),
+    ("worker", {"api", "client"}),
+    ("store", {"api", "worker", "client", "broker", "scheduler"}),
+    ("scheduler", {"api", "worker", "client", "broker"}),
+])  # fmt: skip
 def test_server_packages_keep_their_layers(package: str, forbidden: set[str]) -> None:
     found = package_imports(package)
     bad = _violations(found, lambda i: i.top in forbidden or _uses_trainer_beyond_spec(i))
+    assert not bad, "\n".join(bad)
+
+
+def test_scheduler_uses_only_the_trainer_spec() -> None:
+    """The next issue's API imports the scheduler for its queue view: it must stay free of
+    the trainer's other modules (and so of torch)."""
+    bad = _violations(package_imports("scheduler"),
+                      lambda i: i.top == "trainer" and i.module != "trainer.spec")  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_broker_imports_only_the_store_settings() -> None:
+    found = package_imports("broker")
+    assert found, "parsed nothing"
+    bad = _violations(found, lambda i: i.top in OURS and i.module != "store.settings")
     assert not bad, "\n".join(bad)
 
 
@@ -219,8 +247,10 @@ def test_a_users_own_trainer_and_client_do_not_shadow_torchyard(tmp_path: Path) 
     (tmp_path / "trainer").mkdir()
     (tmp_path / "trainer" / "__init__.py").write_text("MINE = 'user trainer'\n")
     (tmp_path / "client.py").write_text("MINE = 'user client'\n")
-    code = ("import trainer, client, torchyard.trainer.spec as s, torchyard.client.sdk as c; "
-            "print(trainer.MINE, '|', client.MINE, '|', s.JobSpec.__name__, c.Client.__name__)")
+    code = (
+        "import trainer, client, torchyard.trainer.spec as s, torchyard.client.sdk as c; "
+        "print(trainer.MINE, '|', client.MINE, '|', s.JobSpec.__name__, c.Client.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60, env={"PATH": ""})  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -12,17 +12,18 @@ import time
 from datetime import datetime, timedelta
 from typing import Any
 
-from torchyard.store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
-from torchyard.store.broker import (
+from torchyard.broker.app import (
     RUN_TASK,
     SCHEDULE_TASK,
     control_queue,
     make_celery,
     make_consumer,
 )
+from torchyard.scheduler.cycle import Dispatch, resend_due, schedule
+from torchyard.scheduler.policy import RESERVE_AFTER_S
+from torchyard.store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
 from torchyard.store.db import session_scope
 from torchyard.store.models import utcnow
-from torchyard.store.scheduling import RESERVE_AFTER_S, Dispatch, resend_due, schedule
 from torchyard.store.settings import Settings
 from torchyard.store.workers import (
     expire_unclaimed,

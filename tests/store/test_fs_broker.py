@@ -1,4 +1,4 @@
-"""The embedded broker (store/fs_broker.py) under concurrent producers and consumers: every
+"""The embedded broker (broker/fs_transport.py) under concurrent producers and consumers: every
 message arrives exactly once and no consumer dies. kombu's own filesystem transport let a
 consumer take a message file before its producer had written it; the empty read killed the
 scheduler with a JSONDecodeError (issue "the first hour", item 1)."""
@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from torchyard.store.broker import transport_options, use_fixed_filesystem_transport
+from torchyard.broker.app import transport_options, use_fixed_filesystem_transport
 
 PRODUCERS, CONSUMERS, EACH = 4, 3, 250
 QUEUE = "hammer"
 
 
 def _options(root: Path) -> dict[str, Any]:
-    """The embedded broker's own options (store/broker.py), in `root`, polled faster."""
+    """The embedded broker's own options (broker/app.py), in `root`, polled faster."""
     from torchyard.store.settings import Settings
 
     settings = Settings(_env_file=None, home=root)  # type: ignore[call-arg]

@@ -1,5 +1,6 @@
-"""Metric queries (downsampling checked point by point against a plain computation) and
-the event feed's cursor."""
+"""Metric ingest (idempotent; rollups equal to a computation from scratch), queries
+(downsampling checked point by point against a plain computation) and the event feed's
+cursor."""
 
 from __future__ import annotations
 
@@ -7,12 +8,20 @@ import bisect
 import random
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 from torchyard_testdb import Factory
 
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.feed import BadFeedCursor, FeedCursor, poll
-from torchyard.store.metrics import ingest_metrics, latest_metrics, metric_names, query_series
+from torchyard.store.jobs import Viewer, job_snapshot
+from torchyard.store.metrics import (
+    BLOCK_LEVELS,
+    ingest_metrics,
+    metric_names,
+    query_series,
+)
+from torchyard.store.models import Metric, MetricBlock
 
 
 def _check_buckets(points: dict[int, float], after: int, max_points: int, series: dict) -> None:
@@ -77,6 +86,12 @@ def test_downsampling_keeps_last_min_and_max(session: Session, factory: Factory,
 
 def test_names_and_latest(session: Session, factory: Factory) -> None:
     job = factory.job("alice", state="running")
+
+    def latest_metrics(session: Session, job: str) -> dict:
+        snap = job_snapshot(session, Viewer(user_id=0, is_admin=True), job)
+        assert snap is not None
+        return snap["latest_metrics"]
+
     assert latest_metrics(session, job) == {} and metric_names(session, job) == []
     ingest_metrics(
         session, job,
@@ -126,3 +141,68 @@ def test_feed_cursor_resumes_exactly(session: Session, factory: Factory) -> None
     assert poll(session, job, tail.cursor).finished
     with pytest.raises(BadFeedCursor):
         FeedCursor.parse("1-2")
+
+
+def _table(session: Session, job: str) -> tuple[list[tuple], list[tuple]]:
+    points = session.execute(
+        select(Metric.id, Metric.name, Metric.step, Metric.epoch, Metric.value, Metric.time)
+        .where(Metric.job_id == job)
+        .order_by(Metric.id)
+    ).all()
+    blocks = session.execute(
+        select(MetricBlock.name, MetricBlock.level, MetricBlock.block, MetricBlock.vmin,
+               MetricBlock.vmax, MetricBlock.last_step, MetricBlock.n)
+        .where(MetricBlock.job_id == job)
+        .order_by(MetricBlock.name, MetricBlock.level, MetricBlock.block)
+    ).all()  # fmt: skip
+    return [tuple(p) for p in points], [tuple(b) for b in blocks]
+
+
+def _blocks_from_scratch(points: list[tuple]) -> list[tuple]:
+    """Every rollup block computed from the points alone (steps from 0)."""
+    agg: dict[tuple[str, int, int], list] = {}
+    for _id, name, step, _epoch, value, _time in points:
+        for level in BLOCK_LEVELS:
+            if step < 0:
+                continue
+            a = agg.setdefault((name, level, step // level), [value, value, step, 0])
+            a[0], a[1], a[2], a[3] = min(a[0], value), max(a[1], value), max(a[2], step), a[3] + 1
+    return sorted((*k, *v) for k, v in agg.items())
+
+
+def test_ingest_is_idempotent_and_rollups_equal_a_computation_from_scratch(
+    session: Session, factory: Factory
+) -> None:
+    job = factory.job("alice", state="running")
+    rnd = random.Random(7)
+
+    def batch(steps: range | list[int], scale: float = 1.0) -> list[dict]:
+        return [
+            {"name": n, "step": s, "epoch": s // 100, "value": rnd.random() * scale,
+             "time": 1.7e9 + s}
+            for s in steps
+            for n in ("train/loss", "val/loss")
+        ]  # fmt: skip
+
+    first = batch(range(0, 5000, 3))  # new points
+    sent = [
+        first,
+        batch(range(5000, 9000)),  # new points, blocks continued from the last batch
+        batch(range(100, 4200, 7), scale=10) + batch(range(9000, 9100)),  # replay + new
+        batch([-5, -1, 2, 4, 8800, 9100]) + batch([9100], scale=-1),  # gaps, negatives, dup
+    ]
+    for rows in sent:
+        ingest_metrics(session, job, rows)
+        session.commit()
+        points, blocks = _table(session, job)
+        assert blocks == _blocks_from_scratch(points)
+        # The same batch sent again (a crash after its commit, before the worker knew):
+        # nothing new, and no value, id or rollup changes.
+        ingest_metrics(session, job, rows)
+        session.commit()
+        assert _table(session, job) == (points, blocks)
+    # The last row of a (name, step) in a batch wins; every (name, step) is one row.
+    latest: dict[tuple[str, int], float] = {}
+    for rows in sent:
+        latest.update({(r["name"], r["step"]): r["value"] for r in rows})
+    assert {(p[1], p[2]): p[4] for p in points} == latest and len(points) == len(latest)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +73,26 @@ def _truncate(url: str) -> None:
         s.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
 
 
+@contextmanager
+def sqlite_copy(template: Path, tmp_path: Path) -> Iterator[str]:
+    """A fresh copy of the migrated SQLite template: its URL (its engine disposed after)."""
+    path = tmp_path / "torchyard.db"
+    shutil.copyfile(template, path)
+    url = f"sqlite:///{path}"
+    try:
+        yield url
+    finally:
+        engine = store_db._engines.pop(url, None)
+        if engine is not None:
+            engine.dispose()
+
+
 @pytest.fixture(params=BACKENDS)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty database of each backend."""
     if request.param == "sqlite":
-        template: Path = request.getfixturevalue("sqlite_template")
-        path = tmp_path / "torchyard.db"
-        shutil.copyfile(template, path)
-        url = f"sqlite:///{path}"
-        yield url
-        engine = store_db._engines.pop(url, None)
-        if engine is not None:
-            engine.dispose()
+        with sqlite_copy(request.getfixturevalue("sqlite_template"), tmp_path) as url:
+            yield url
     else:
         url = request.getfixturevalue("pg_migrated")
         _truncate(url)

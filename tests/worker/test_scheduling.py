@@ -8,21 +8,27 @@ import threading
 from datetime import timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from worker_factories import make_job, make_worker
 
+from torchyard.scheduler.cycle import schedule
+from torchyard.scheduler.policy import cluster_reason, kind_of, plan, plural
 from torchyard.store.attempts import (
     A_FAILED,
     A_HANDED_BACK,
     A_LOST,
     A_SUCCEEDED,
     claim_assignment,
+    claim_rank,
     finish_attempt,
+    job_and_attempt_state,
 )
 from torchyard.store.db import session_factory, session_scope
 from torchyard.store.models import Assignment, Attempt, Job, Worker, utcnow
-from torchyard.store.scheduling import schedule
+from torchyard.store.queue import FreeWorker, QueuedJob, start_gangs
 from torchyard.store.states import CANCELLING, transition
 from torchyard.store.workers import (
     WorkerInfo,
@@ -120,6 +126,50 @@ def test_the_lease_starts_one_trainer_per_assignment(session: Session) -> None:
     assert claim_assignment(s, d.assignment_id, d.worker_id) is not None
     s.commit()
     assert claim_assignment(s, d.assignment_id, d.worker_id) is None  # duplicate message
+
+
+def test_claim_rank_gives_the_worker_its_rank_once(session: Session) -> None:
+    s = session
+    make_worker(s, "w0")
+    make_worker(s, "w1")
+    job = make_job(s, world_size=2)
+    out = run_pass(s)
+    d = next(d for d in out if d.rank == 1)
+    c = claim_rank(s, d.assignment_id, d.worker_id)
+    assert c is not None and (c.job_id, c.rank, c.world_size, c.attempt_number) == (job.id, 1, 2, 1)
+    assert c.spec == job.spec and not c.cancelling
+    assert claim_rank(s, d.assignment_id, d.worker_id) is None  # a duplicate message
+    assert job_and_attempt_state(s, c.attempt_id) == ("starting", "starting")
+    assert job_and_attempt_state(s, 10_000) == (None, None)
+    # A cancel that came before the claim: the rank learns it at once.
+    s.refresh(job)
+    transition(s, job, CANCELLING)
+    d0 = next(d for d in out if d.rank == 0)
+    c0 = claim_rank(s, d0.assignment_id, d0.worker_id)
+    assert c0 is not None and c0.cancelling
+
+
+def test_a_batch_that_lost_a_race_writes_nothing(session: Session) -> None:
+    """start_gangs is all or nothing: a worker taken under the pass undoes the whole batch."""
+    s = session
+    make_worker(s, "w0")
+    make_worker(s, "w1", state="busy")  # idle when the pass read it, busy since
+    a, b = make_job(s, age_s=2), make_job(s, age_s=1)
+    s.commit()
+    free = [FreeWorker(w, "h1", "cpu", None, f"q.{w}") for w in ("w0", "w1")]
+    gangs = [
+        (QueuedJob(j.id, 1, j.created_at, 1, None), [w]) for j, w in zip((a, b), free, strict=True)
+    ]
+    assert start_gangs(s, gangs) is None
+    s.commit()
+    assert s.scalar(select(func.count()).select_from(Attempt)) == 0
+    assert s.scalar(select(func.count()).select_from(Assignment)) == 0
+    s.refresh(a)
+    s.refresh(b)
+    assert (a.state, b.state) == ("queued", "queued")
+    assert s.get(Worker, "w0", populate_existing=True).state == "idle"  # type: ignore[union-attr]
+    # Without the interloper the same batch goes through.
+    assert [x.worker_id for x in start_gangs(s, gangs[:1]) or []] == ["w0"]
 
 
 def _start(s: Session, world_size: int = 1, max_restarts: int = 2) -> tuple[Job, Attempt]:
@@ -314,3 +364,76 @@ def test_two_cpu_workers_gang_while_a_gpu_is_idle(session: Session) -> None:
     # The one-rank job takes the kind with the fewest idle (the lone GPU), keeping the
     # CPU pair whole for the job that needs two alike.
     assert by_job == {single.id: {"gpu0"}, pair.id: {"cpu0", "cpu1"}}
+
+
+# ---- the policy alone (no database): the fast pools against a plain re-scan reference --
+
+
+def _reference_plan(jobs, free, live_kinds, now, reserve_after_s):  # type: ignore[no-untyped-def]
+    """The policy written the slow, obvious way: regroup the idle list for every job."""
+    kinds_order = list(dict.fromkeys(kind_of(w.device, w.device_name) for w in free))
+    gangs, reasons, waiting = [], {}, 0
+
+    def by(key, ws):  # type: ignore[no-untyped-def]
+        out: dict = {}
+        for w in ws:
+            out.setdefault(key(w), []).append(w)
+        return out
+
+    for job in jobs:
+        n = job.world_size
+        reason = cluster_reason(n, live_kinds)
+        if reason is None:
+            pools = by(lambda w: kind_of(w.device, w.device_name), free)
+            fitting = [k for k in kinds_order if len(pools.get(k, [])) >= n]
+            if fitting:
+                hosts = by(lambda w: w.host, pools[min(fitting, key=lambda k: len(pools[k]))])
+                fit = [ws for ws in hosts.values() if len(ws) >= n]
+                chosen = min(fit, key=len)[:n] if fit else []
+                for ws in [] if fit else sorted(hosts.values(), key=len, reverse=True):
+                    chosen += ws[: n - len(chosen)]
+                gangs.append((job, chosen))
+                free = [w for w in free if w not in chosen]
+                continue
+            sizes = [len(pools.get(k, [])) for k in kinds_order]
+            most = max(sizes, default=0)
+            if waiting:
+                reason = f"queued behind {plural(waiting, 'job')}"
+            elif len(free) >= n:
+                reason = (f"needs {plural(n, 'worker')} of one kind, {len(free)} idle but at "
+                          f"most {most} of one kind")  # fmt: skip
+            else:
+                reason = f"needs {plural(n, 'worker')}, {len(free)} idle"
+            if (now - job.created_at).total_seconds() > reserve_after_s:
+                k = kinds_order[sizes.index(most)] if most else None
+                kept = pools.get(k, [])[:n]
+                free = [w for w in free if w not in kept]
+                reason += " (reserving workers)"
+            waiting += 1
+        if job.pending_reason != reason:
+            reasons[job.id] = reason
+    return [(j.id, [w.id for w in ws]) for j, ws in gangs], reasons
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    workers=st.lists(
+        st.tuples(st.integers(0, 4), st.sampled_from(["cpu", "a100", "h100"])), max_size=30
+    ),
+    jobs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 600)), max_size=25),
+)
+def test_the_policy_matches_the_plain_reference(workers: list, jobs: list) -> None:
+    now = utcnow()
+    free = sorted(
+        (FreeWorker(f"w{i:02d}", f"h{h}", "cpu" if d == "cpu" else "cuda", None if d == "cpu"
+                    else d, f"q{i}") for i, (h, d) in enumerate(workers)),
+        key=lambda w: (w.host, w.id),
+    )  # fmt: skip
+    queued = [QueuedJob(f"j{i:02d}", n, now - timedelta(seconds=age), 1, None)
+              for i, (n, age) in enumerate(jobs)]  # fmt: skip
+    live: dict = {}
+    for w in free:
+        live[kind_of(w.device, w.device_name)] = live.get(kind_of(w.device, w.device_name), 0) + 1
+    got = plan(queued, free, live, now=now, reserve_after_s=300)
+    want = _reference_plan(queued, free, live, now, 300)
+    assert ([(j.id, [w.id for w in ws]) for j, ws in got.gangs], got.reasons) == want

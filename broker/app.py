@@ -1,7 +1,9 @@
-"""The Celery application shared by the API (which only sends wake-ups) and the workers.
+"""The Celery application shared by the API (which only sends wake-ups), the scheduler and
+the workers: task and queue names, wake-ups, and the consumer factory.
 
 The store is the truth; the broker is only a wake-up. Messages are JSON and carry ids
-only. Celery is imported lazily so that importing `store` stays cheap.
+only. Celery is imported lazily so that importing `torchyard.broker` stays cheap. Of ours,
+this part imports `torchyard.store.settings` only.
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ def transport_options(settings: Settings) -> dict[str, Any]:
 
 
 def use_fixed_filesystem_transport() -> None:
-    """`filesystem://` means store/fs_broker.py (kombu's transport without its races)."""
+    """`filesystem://` means broker/fs_transport.py (kombu's transport without its races)."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    TRANSPORT_ALIASES["filesystem"] = "torchyard.store.fs_broker:Transport"
+    TRANSPORT_ALIASES["filesystem"] = "torchyard.broker.fs_transport:Transport"
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -120,7 +122,6 @@ def make_consumer(app: Celery, *, name: str, queue: str) -> Any:
     """A Celery worker consuming one queue, one task at a time, in this process (solo pool:
     no forked child) and without the broker chatter (heartbeats, mingle, gossip) that a
     store-driven cluster does not use. `name` is the worker's Celery host name."""
-    import logging
     import socket
 
     return app.Worker(

@@ -14,7 +14,7 @@ wins, the losers move on), reads it, and deletes it. A file that still does not 
 (written by an older torchyard, or damaged) is logged and skipped, never fatal: the store
 is the truth and every message is a wake-up the scheduler's periodic pass repeats.
 
-`store/broker.py` registers this class for `filesystem://` URLs.
+`broker/app.py` registers this class for `filesystem://` URLs.
 """
 
 from __future__ import annotations
