@@ -277,7 +277,7 @@ def bench(name: str, a: dict, b: dict, c: dict) -> dict:
     return {"a": a, "b": b, "c": c, **ratios}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mnist-size", type=int, default=60_000, help="MNIST-format training images")
     ap.add_argument("--cifar-size", type=int, default=50_000, help="CIFAR-format training images")
@@ -290,10 +290,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--skip-cifar", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def bench_mnist(root: Path, args: argparse.Namespace) -> dict:
+    """MNIST-format files, the MLP: (a), (b) and (c) once each."""
     import torchvision
     from torchvision import transforms
+
+    write_mnist(root, args.mnist_size, args.test_size)
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    ds = torchvision.datasets.MNIST(str(root), train=True, download=False, transform=tf)
+    a = seed_loop(ds, mlp, args.epochs, args.workers)
+    mean, std = torch.tensor(0.1307 * 255), torch.tensor(0.3081 * 255)
+    b = tensor_loop(ds.data.unsqueeze(1), ds.targets, mean, std, mlp, args.epochs)
+    c = trainer_run(
+        root, root / "run-mnist", {"name": "mlp", "hidden": [128]}, "mnist", args.epochs
+    )
+    return bench("MNIST-format, MLP 784-128-10", a, b, c)
+
+
+def bench_cifar(root: Path, args: argparse.Namespace) -> dict:
+    """CIFAR-format files, LeNet: the best of `--repeat` interleaved runs of each."""
+    import torchvision
+    from torchvision import transforms
+
+    write_cifar(root, args.cifar_size, args.test_size)
+
+    class SyntheticCIFAR10(torchvision.datasets.CIFAR10):
+        # Our files are not the real ones: skip torchvision's md5 checks.
+        def _check_integrity(self) -> bool:
+            return True
+
+        def _load_meta(self) -> None:
+            self.classes = [str(i) for i in range(10)]
+            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    tf = transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))]
+    )
+    ds = SyntheticCIFAR10(str(root), train=True, download=False, transform=tf)
+    x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+    y = torch.tensor(ds.targets)
+    half = torch.tensor(127.5)
+    a, b, c = best_of(
+        args.repeat,
+        lambda: seed_loop(ds, lenet, args.epochs, args.workers),
+        lambda: tensor_loop(x, y, half, half, lenet, args.epochs),
+        lambda i: trainer_run(
+            root, root / f"run-cifar-{i}", {"name": "lenet"}, "cifar10", args.epochs
+        ),
+    )
+    return bench("CIFAR-format, LeNet", a, b, c)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    import torchvision
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -305,46 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="ty-bench-") as tmp:
         root = Path(tmp)
-        write_mnist(root, args.mnist_size, args.test_size)
-        tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-        ds = torchvision.datasets.MNIST(str(root), train=True, download=False, transform=tf)
-        a = seed_loop(ds, mlp, args.epochs, args.workers)
-        mean, std = torch.tensor(0.1307 * 255), torch.tensor(0.3081 * 255)
-        x = ds.data.unsqueeze(1)
-        b = tensor_loop(x, ds.targets, mean, std, mlp, args.epochs)
-        c = trainer_run(
-            root, root / "run-mnist", {"name": "mlp", "hidden": [128]}, "mnist", args.epochs
-        )
-        results["mnist_mlp"] = bench("MNIST-format, MLP 784-128-10", a, b, c)
-
+        results["mnist_mlp"] = bench_mnist(root, args)
         if not args.skip_cifar:
-            write_cifar(root, args.cifar_size, args.test_size)
-
-            class SyntheticCIFAR10(torchvision.datasets.CIFAR10):
-                # Our files are not the real ones: skip torchvision's md5 checks.
-                def _check_integrity(self) -> bool:
-                    return True
-
-                def _load_meta(self) -> None:
-                    self.classes = [str(i) for i in range(10)]
-                    self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-
-            tf = transforms.Compose(
-                [transforms.ToTensor(), transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))]
-            )
-            ds = SyntheticCIFAR10(str(root), train=True, download=False, transform=tf)
-            x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
-            y = torch.tensor(ds.targets)
-            half = torch.tensor(127.5)
-            a, b, c = best_of(
-                args.repeat,
-                lambda: seed_loop(ds, lenet, args.epochs, args.workers),
-                lambda: tensor_loop(x, y, half, half, lenet, args.epochs),
-                lambda i: trainer_run(
-                    root, root / f"run-cifar-{i}", {"name": "lenet"}, "cifar10", args.epochs
-                ),
-            )
-            results["cifar_lenet"] = bench("CIFAR-format, LeNet", a, b, c)
+            results["cifar_lenet"] = bench_cifar(root, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

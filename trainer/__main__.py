@@ -3,7 +3,10 @@
 import os
 import sys
 
-from torchyard.trainer.cli import main
+if sys.argv[1:] == ["--standby"]:  # the worker's warm trainer: trainer/standby.py
+    from torchyard.trainer.standby import main
+else:
+    from torchyard.trainer.cli import main
 
 code = main()
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:

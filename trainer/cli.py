@@ -1,4 +1,5 @@
-"""`python -m torchyard.trainer --spec SPEC.json --run-dir DIR [--resume CKPT|latest]`.
+"""`python -m torchyard.trainer --spec SPEC.json --run-dir DIR [--resume CKPT|latest]`
+(`--standby` alone: a warm trainer that reads its job from the worker, trainer/standby.py).
 
 Under torchrun every rank runs this same command:
 
@@ -14,21 +15,39 @@ exits 2 with one line per problem on stderr and writes nothing.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from torchyard.trainer import exitcodes
 from torchyard.trainer.events import attempt_from_env
 from torchyard.trainer.lease import LeaseError, watch_lease
+from torchyard.trainer.parent import die_with_parent
 from torchyard.trainer.signals import StopFlag
-from torchyard.trainer.spec import JobSpec, SpecError, parse_spec, spec_to_dict
+from torchyard.trainer.spec import JobSpec, SpecError, batch_split_problem, parse_spec, spec_to_dict
 
-PR_SET_PDEATHSIG = 1
+if TYPE_CHECKING:  # torch loads only once the command line and spec are accepted
+    from torchyard.trainer.distributed import Dist
+    from torchyard.trainer.events import JsonlEvents
+
+
+class Refused(Exception):
+    """A bad command line, spec or environment: exit BAD_SPEC before anything is written."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the command line asks for, checked."""
+
+    spec: JobSpec
+    attempt: int | None  # TORCHYARD_ATTEMPT, stamped on every event
+    run_dir: Path
+    resume: Path | None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,13 +70,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def die_with_parent() -> None:
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    follow_parent()
+    stop = StopFlag()
+    try:
+        job = read_job(args)
+        _install_stop_handlers(stop)
+        d = _join(stop)
+    except Refused as e:
+        print(f"trainer: {e}", file=sys.stderr)
+        return exitcodes.BAD_SPEC
+    return _train(job, d, stop)
+
+
+def follow_parent() -> None:
     """TORCHYARD_DIE_WITH_PARENT=1: get SIGKILLed when the parent (worker/torchrun) dies, and
     exit now if it is already gone, so a trainer never outlives what started it."""
     if os.environ.get("TORCHYARD_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if not die_with_parent(signal.SIGKILL):
         print("trainer: prctl(PR_SET_PDEATHSIG) failed", file=sys.stderr)
     if os.getppid() == 1:
         print("trainer: parent process is gone; exiting", file=sys.stderr)
@@ -72,6 +104,35 @@ def read_spec(path: Path) -> JobSpec:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SpecError([("spec", f"not a JSON file: {e}")]) from None
     return parse_spec(obj)
+
+
+def read_job(args: argparse.Namespace) -> Job:
+    """The spec, attempt and resume checkpoint the command line names, or Refused saying why."""
+    try:
+        spec = read_spec(args.spec)
+    except SpecError as e:
+        lines = "".join(f"\n  {field}: {msg}" for field, msg in e.problems)
+        raise Refused(f"invalid spec {args.spec}:{lines}") from None
+    try:
+        attempt = attempt_from_env()  # refused before anything is written
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if problem := batch_split_problem(spec.batch_size, world):
+        raise Refused(f"batch_size {spec.batch_size} {problem}, the ranks this run has")
+    return Job(spec, attempt, args.run_dir, _resume_path(args.resume, args.run_dir))
+
+
+def _resume_path(arg: str | None, run_dir: Path) -> Path | None:
+    if arg == "latest":
+        from torchyard.trainer.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(run_dir)
+    if not arg:
+        return None
+    if not Path(arg).is_file():
+        raise Refused(f"--resume {arg}: no such file")
+    return Path(arg)
 
 
 def _install_stop_handlers(stop: StopFlag) -> None:
@@ -90,91 +151,70 @@ def _install_stop_handlers(stop: StopFlag) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    die_with_parent()
-    try:
-        spec = read_spec(args.spec)
-    except SpecError as e:
-        print(f"trainer: invalid spec {args.spec}:", file=sys.stderr)
-        for field, msg in e.problems:
-            print(f"  {field}: {msg}", file=sys.stderr)
-        return exitcodes.BAD_SPEC
-    try:
-        attempt = attempt_from_env()  # refused before anything is written
-    except ValueError as e:
-        print(f"trainer: {e}", file=sys.stderr)
-        return exitcodes.BAD_SPEC
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if spec.batch_size % world:
-        print(
-            f"trainer: batch_size {spec.batch_size} is not divisible by the world size {world}",
-            file=sys.stderr,
-        )
-        return exitcodes.BAD_SPEC
-    run_dir: Path = args.run_dir
-    resume: Path | None = None
-    if args.resume == "latest":
-        from torchyard.trainer.checkpoint import latest_checkpoint
-
-        resume = latest_checkpoint(run_dir)
-    elif args.resume:
-        resume = Path(args.resume)
-        if not resume.is_file():
-            print(f"trainer: --resume {resume}: no such file", file=sys.stderr)
-            return exitcodes.BAD_SPEC
-
-    # Torch loads only now: a bad spec is refused without it.
+def _join(stop: StopFlag) -> Dist:
+    """Watch the lease, then take this rank's device and join the process group. Torch loads
+    only now: a bad spec is refused without it."""
     from torchyard.trainer import distributed
-    from torchyard.trainer.data import data_root_from_env
-    from torchyard.trainer.envinfo import environment
-    from torchyard.trainer.events import EVENTS_FILE, JsonlEvents, RankEvents, rank_events_file
-    from torchyard.trainer.loop import Run, run
 
-    stop = StopFlag()
-    _install_stop_handlers(stop)
     try:
         watch_lease(stop)
-    except LeaseError as e:
-        print(f"trainer: {e}", file=sys.stderr)
-        return exitcodes.BAD_SPEC
-    try:
-        d = distributed.setup()
-    except distributed.DeviceError as e:
-        print(f"trainer: {e}", file=sys.stderr)
-        return exitcodes.BAD_SPEC
-    run_dir.mkdir(parents=True, exist_ok=True)
-    events: JsonlEvents
-    if d.is_main:
-        events = JsonlEvents(run_dir / EVENTS_FILE, attempt=attempt)
-        env = environment(d.device, d.rank, d.world_size)
-        env.update(
-            attempt=attempt,
-            run_dir=str(run_dir),
-            resume=str(resume) if resume else None,
-            data_root=str(data_root_from_env()),
-        )
-        print("environment: " + json.dumps(env, sort_keys=True), flush=True)
-        print("spec: " + json.dumps(spec_to_dict(spec), sort_keys=True), flush=True)
-        if spec.world_size != d.world_size:
-            print(
-                f"warning: the spec asks for world_size {spec.world_size}, running on "
-                f"{d.world_size}",
-                flush=True,
-            )
-    else:
-        events = RankEvents(run_dir / rank_events_file(d.rank), attempt=attempt)
+        return distributed.setup()
+    except (LeaseError, distributed.DeviceError) as e:
+        raise Refused(str(e)) from None
+
+
+def _train(job: Job, d: Dist, stop: StopFlag) -> int:
+    """Run the job on this rank; the process group is left (and the events closed) after."""
+    from torchyard.trainer.data import data_root_from_env
+    from torchyard.trainer.distributed import teardown
+    from torchyard.trainer.loop import Run, run
+
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    events = _open_events(job, d)
     try:
         r = Run(
-            run_dir=run_dir,
+            run_dir=job.run_dir,
             dist=d,
             events=events,
             data_root=data_root_from_env(),
-            resume=resume,
+            resume=job.resume,
             stop=stop,
             log=lambda s: print(s, flush=True),
         )
-        return run(spec, r)
+        return run(job.spec, r)
     finally:
         events.close()
-        distributed.teardown(d)
+        teardown(d)
+
+
+def _open_events(job: Job, d: Dist) -> JsonlEvents:
+    """Rank 0: the events file, and the log's head (environment, spec); other ranks: their own
+    file of the few events their workers read (trainer/events.py)."""
+    from torchyard.trainer.events import EVENTS_FILE, JsonlEvents, RankEvents, rank_events_file
+
+    if not d.is_main:
+        return RankEvents(job.run_dir / rank_events_file(d.rank), attempt=job.attempt)
+    events = JsonlEvents(job.run_dir / EVENTS_FILE, attempt=job.attempt)
+    _log_head(job, d)
+    return events
+
+
+def _log_head(job: Job, d: Dist) -> None:
+    from torchyard.trainer.data import data_root_from_env
+    from torchyard.trainer.envinfo import environment
+
+    env = environment(d.device, d.rank, d.world_size)
+    env.update(
+        attempt=job.attempt,
+        run_dir=str(job.run_dir),
+        resume=str(job.resume) if job.resume else None,
+        data_root=str(data_root_from_env()),
+    )
+    print("environment: " + json.dumps(env, sort_keys=True), flush=True)
+    print("spec: " + json.dumps(spec_to_dict(job.spec), sort_keys=True), flush=True)
+    if job.spec.world_size != d.world_size:
+        print(
+            f"warning: the spec asks for world_size {job.spec.world_size}, running on "
+            f"{d.world_size}",
+            flush=True,
+        )

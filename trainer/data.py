@@ -46,6 +46,9 @@ _STATS: dict[str, tuple[list[float], list[float]]] = {
     ),
     "synthetic": ([127.5], [80.0]),
 }
+# Samples per evaluation batch (at least the training batch): no gradients, so larger.
+EVAL_BATCH = 1024
+LOADERS = ("auto", "device", "dataloader")  # DataSpec.loader's values
 # Synthetic samples: class prototype + Gaussian noise of this std (uint8 units), clipped.
 SYNTHETIC_NOISE = 60.0
 
@@ -351,21 +354,29 @@ class Batches:
     normalised per batch) and a batch is one index_select (on a GPU, a slice of a copy
     shuffled once per epoch). `dataloader` path: a DataLoader
     with workers gathers uint8 batches in pinned memory, copied with non_blocking and
-    normalised on the device."""
+    normalised on the device.
+
+    Everything but the data set is keyword-only: `per_rank_batch` samples a step from rank
+    `rank` of `world`, in the order `seed` gives each epoch (see the module docstring)."""
 
     def __init__(
         self,
         ds: DataSet,
+        *,
         device: torch.device,
         per_rank_batch: int,
-        rank: int,
-        world: int,
-        seed: int,
-        loader: str,
-        num_workers: int,
-        eval_batch: int,
+        rank: int = 0,
+        world: int = 1,
+        seed: int = 0,
+        loader: str = "auto",
+        num_workers: int = 0,
+        eval_batch: int = EVAL_BATCH,
         channels_last: bool = False,
     ):
+        if loader not in LOADERS:
+            raise ValueError(f"loader {loader!r}: must be one of {', '.join(LOADERS)}")
+        if per_rank_batch < 1 or not 0 <= rank < world:
+            raise ValueError(f"per_rank_batch {per_rank_batch}, rank {rank} of {world}: no batches")
         self.ds, self.device, self.b = ds, device, per_rank_batch
         self.rank, self.world, self.seed = rank, world, seed
         self.norm = Normalizer(ds, device)
@@ -390,16 +401,19 @@ class Batches:
             self._train = self._to_device(ds.train)
             self._val = self._to_device(ds.val) if ds.val is not None else None
         else:
-            pin = device.type == "cuda"
-            self.sampler = EpochSampler(self.n_train, world, rank, seed)
-            batch_sampler = BatchSampler(self.sampler, per_rank_batch, drop_last=False)
-            self.loader = self._loader(ds.train, batch_sampler, num_workers, pin)
-            if ds.val is not None:
-                shard = list(range(rank, self.n_val, world))
-                chunks = [
-                    shard[i : i + self.eval_batch] for i in range(0, len(shard), self.eval_batch)
-                ]
-                self.val_loader = self._loader(ds.val, chunks, num_workers, pin)
+            self._make_loaders(num_workers)
+
+    def _make_loaders(self, workers: int) -> None:
+        """The `dataloader` path: this rank's sampler, its training and validation loaders."""
+        pin = self.device.type == "cuda"
+        self.sampler = EpochSampler(self.n_train, self.world, self.rank, self.seed)
+        batch_sampler = BatchSampler(self.sampler, self.b, drop_last=False)
+        self.loader = self._loader(self.ds.train, batch_sampler, workers, pin)
+        if self.ds.val is not None:
+            shard = list(range(self.rank, self.n_val, self.world))
+            step = self.eval_batch
+            chunks = [shard[i : i + step] for i in range(0, len(shard), step)]
+            self.val_loader = self._loader(self.ds.val, chunks, workers, pin)
 
     def _loader(self, src: Source, batch_sampler: object, workers: int, pin: bool) -> DataLoader:
         # batch_size=None: the source itself returns a batch for a list of indices.

@@ -4,17 +4,9 @@ every other rank k only its `error` and `stopped` events, in `<run dir>/events.r
 a list in tests.
 
 Every event is one JSON object with `type` and `time` (Unix seconds). The types and
-their fields are the contract with the worker (see docs/architecture.md):
-
-    started     world_size, device, precision, versions, resumed_from, step, total_steps, attempt?
-    metric      step, epoch, name, value       (train/loss, train/lr, train/samples_per_s,
-                                                val/loss, val/accuracy)
-    checkpoint  step, epoch, path, bytes, sha256, kind ("resume" | "weights"), pruned
-    progress    step, total_steps, epoch, samples_per_s, eta_s
-    finished    step, epoch, metrics
-    stopped     signal, step, checkpoint
-    error       kind ("nonfinite_loss" | "out_of_memory" | "data" | "storage_full" |
-                "peer_failed" | "unsupported" | "internal"), message, step, rank
+their fields are the contract with the worker: trainer/eventmodel.py declares them, and
+every event is checked against it before it is written (an undeclared field or a value of
+the wrong type is a ValueError here, not a line the worker would skip).
 
 Every event also has `attempt` (the job's attempt number, from TORCHYARD_ATTEMPT, which the
 worker sets) so that a supervisor can tell its own trainer's lines from an earlier attempt's
@@ -36,11 +28,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchyard.trainer.eventfiles import EVENTS_FILE, RANK_EVENTS, rank_events_file
+from torchyard.trainer.eventmodel import EVENT_TYPES, build_event
 
 __all__ = ["EVENTS_FILE", "rank_events_file"]
 ATTEMPT_ENV = "TORCHYARD_ATTEMPT"
 # The events that say which process ran, so the worker can match them to what it spawned.
-PID_EVENTS = frozenset({"started", "finished", "stopped", "error"})
+PID_EVENTS = frozenset(t for t, model in EVENT_TYPES.items() if "pid" in model.model_fields)
 _MAX_ATTEMPT = 2**31 - 1  # the store's attempt column is a 32-bit integer
 
 
@@ -77,13 +70,14 @@ def attempt_from_env(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def make_event(type: str, fields: dict[str, Any], attempt: int | None) -> dict[str, Any]:
-    """One event as written: type, time, the fields, then attempt and pid where they apply."""
+    """One event as written: type, time, the fields, then attempt and pid where they apply;
+    checked against trainer/eventmodel.py (ValueError naming a bad type or field)."""
     event = {"type": type, "time": time.time(), **fields}
     if attempt is not None:
         event["attempt"] = attempt
     if type in PID_EVENTS:
         event["pid"] = os.getpid()
-    return _clean(event)
+    return build_event(_clean(event))
 
 
 class JsonlEvents:

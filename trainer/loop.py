@@ -1,6 +1,10 @@
 """The training loop, top to bottom: data, model, resume, then epochs of steps with
 metrics, evaluation and checkpoints, then the final weights.
 
+`run(spec, Run(...))` is the entry point; a `Trainer` is one rank's run of a spec. Its seams
+are `build_data` (the data set and this rank's batches), `build_net` (the model on the device)
+and `Trainer.train_step` (one optimizer step); the rest is bookkeeping around them.
+
 Rules it keeps:
 - Rank 0 alone has side effects (events, checkpoints, stdout); every rank runs the same
   collectives at the same steps, so they can never wait on each other.
@@ -14,7 +18,6 @@ Rules it keeps:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -41,7 +44,7 @@ from torchyard.trainer.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from torchyard.trainer.data import Batches, DataError, load_dataset
+from torchyard.trainer.data import EVAL_BATCH, Batches, DataError, DataSet, load_dataset
 from torchyard.trainer.distributed import (
     Dist,
     all_reduce_sum,
@@ -56,13 +59,12 @@ from torchyard.trainer.failures import classify
 from torchyard.trainer.models import build_model
 from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
 from torchyard.trainer.signals import StopFlag
-from torchyard.trainer.spec import JobSpec, spec_to_dict
+from torchyard.trainer.spec import JobSpec, batch_split_problem, spec_to_dict
 
 # Losses are read back (one host sync) at most this many steps apart; also the stop-flag check
 # interval under DDP, where every rank must agree on the step to stop at.
 MAX_SYNC_EVERY = 10
 PROGRESS_EVERY_S = 1.0
-EVAL_BATCH = 1024
 
 
 @dataclass
@@ -90,13 +92,34 @@ class Run:
     log: Callable[[str], None] = print
 
 
+@dataclass
+class Window:
+    """Train losses and samples (all ranks) since the last `train/loss` metric."""
+
+    loss: float = 0.0
+    n: int = 0
+    samples: int = 0
+    t: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Pace:
+    """Clock marks of this attempt: its start, the last `progress` event, samples trained."""
+
+    start_step: int
+    start_t: float = field(default_factory=time.perf_counter)
+    last_step: int = 0
+    last_t: float = field(default_factory=time.perf_counter)
+    samples: int = 0
+
+
 def run(spec: JobSpec, r: Run) -> int:
     """Train as the spec says; return an exit code of trainer.exitcodes. Errors end up as one
     `error` event (every rank writes its own: trainer/events.py) and a code, never as an
     exception."""
     pos = Position()
     try:
-        return _train(spec, r, pos)
+        return Trainer(spec, r, pos).train()
     except DataError as e:
         return _fail(r, "data", str(e), pos, exitcodes.FAILED)
     except Exception as e:
@@ -115,83 +138,357 @@ def _fail(r: Run, kind: str, message: str, pos: Position, code: int) -> int:
     return code
 
 
-def _train(spec: JobSpec, r: Run, pos: Position) -> int:
-    d, events, main = r.dist, r.events, r.dist.is_main
-    device, W = d.device, d.world_size
-    if spec.batch_size % W:
-        raise DataError(f"batch_size {spec.batch_size} is not divisible by world size {W}")
-    set_determinism(spec.deterministic, device)
-    precision = resolve_precision(spec.precision, d)
-    amp = autocast_dtype(precision)
+# ---------------------------------------------------------------------------- the seams
 
-    # ---- data: once, onto the device when it fits
-    ds = load_dataset(spec.data, r.data_root, spec.seed)
-    per_rank = spec.batch_size // W
+
+def build_data(spec: JobSpec, d: Dist, data_root: Path) -> tuple[DataSet, Batches]:
+    """The spec's data set and this rank's share of each batch, on the device when it fits."""
+    if problem := batch_split_problem(spec.batch_size, d.world_size):
+        raise DataError(f"batch_size {spec.batch_size} {problem}")
+    ds = load_dataset(spec.data, data_root, spec.seed)
     batches = Batches(
         ds,
-        device,
-        per_rank,
-        d.rank,
-        W,
-        spec.seed,
-        spec.data.loader,
-        spec.data.num_workers,
-        EVAL_BATCH,
-        spec.channels_last,
+        device=d.device,
+        per_rank_batch=spec.batch_size // d.world_size,
+        rank=d.rank,
+        world=d.world_size,
+        seed=spec.seed,
+        loader=spec.data.loader,
+        num_workers=spec.data.num_workers,
+        eval_batch=EVAL_BATCH,
+        channels_last=spec.channels_last,
     )
-    spe = batches.steps_per_epoch
-    if spe == 0:
-        raise DataError(f"the training set has {batches.n_train} samples: too few for {W} ranks")
-    total_steps = min(spec.epochs * spe, spec.max_steps or sys.maxsize)
+    if batches.steps_per_epoch == 0:
+        raise DataError(
+            f"the training set has {batches.n_train} samples: too few for {d.world_size} ranks"
+        )
+    return ds, batches
 
-    # ---- model, optimizer, precision: the same initial weights on every rank
+
+def build_net(spec: JobSpec, ds: DataSet, d: Dist, channels_last: bool) -> tuple[nn.Module, bool]:
+    """The spec's model on the device, with the same initial weights on every rank;
+    (model, whether its BatchNorms were made SyncBatchNorm)."""
     torch.manual_seed(spec.seed)
     net = build_model(spec.model, ds.sample_shape, ds.num_classes)
-    sync_bn = d.ddp and device.type == "cuda" and has_batchnorm(net)
+    sync_bn = d.ddp and d.device.type == "cuda" and has_batchnorm(net)
     if sync_bn:
         # Statistics over the global batch, as one GPU would compute them. SyncBatchNorm
         # runs on GPUs only: on CPU (gloo) each rank normalises with its own shard's.
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-    net = net.to(device)
-    if batches.channels_last:
+    net = net.to(d.device)
+    if channels_last:
         net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    opt = build_optimizer(spec, net, device)
-    # One step path for every precision: a disabled scaler passes everything through.
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    lr_at = lr_schedule(spec, total_steps)
-    metrics: dict[str, float] = {}
+    return net, sync_bn
 
-    # ---- resume: weights, optimizer, scaler, position, RNG
-    resumed_from = None
-    if r.resume is not None:
-        ckpt = load_checkpoint(r.resume)
-        if ckpt["spec"]["model"] != spec_to_dict(spec)["model"]:
-            raise ValueError(
-                f"{r.resume}: saved for model {ckpt['spec']['model']}, not this spec's"
-            )
-        net.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        if scaler.is_enabled() and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        pos = _resume_position(pos, ckpt)
-        metrics = dict(ckpt.get("metrics") or {})
+
+# ---------------------------------------------------------------------------- one rank's run
+
+
+class Trainer:
+    """One rank's run of a spec: built (data, model, optimizer, resume) by the constructor,
+    run to an exit code by `train()`. The stages of a run return an exit code when it ends
+    there (a non-finite loss, a stop request) and None when it goes on."""
+
+    def __init__(self, spec: JobSpec, r: Run, pos: Position) -> None:
+        self.spec, self.r, self.pos = spec, r, pos
+        self.d, self.device, self.events = r.dist, r.dist.device, r.events
+        self.main = r.dist.is_main
+        set_determinism(spec.deterministic, self.device)
+        self.precision = resolve_precision(spec.precision, self.d)
+        self.ds, self.batches = build_data(spec, self.d, r.data_root)
+        spe = self.batches.steps_per_epoch
+        self.total_steps = min(spec.epochs * spe, spec.max_steps or sys.maxsize)
+        self.net, self.sync_bn = build_net(spec, self.ds, self.d, self.batches.channels_last)
+        self.opt = build_optimizer(spec, self.net, self.device)
+        # One step path for every precision, as in nanoGPT: fp16 needs loss scaling (its
+        # gradients underflow), bf16 and fp32 do not, and a disabled scaler passes through.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        amp = autocast_dtype(self.precision)
+        self.autocast = torch.autocast(self.device.type, dtype=amp, enabled=amp is not None)
+        self.lr_at = lr_schedule(spec, self.total_steps)
+        self.metrics: dict[str, float] = {}
+        self.resumed_from = self.load_resume(r.resume) if r.resume is not None else None
+        self.model, self.fwd = wrap_model(self.net, self.d, spec.compile)
+        # The last resume checkpoint (its step and path): the one resumed from counts.
+        self.saved_step = pos.step if self.resumed_from else -1
+        self.saved_path = self.resumed_from
+        self.lr = self.lr_at(pos.step)
+        set_lr(self.opt, self.lr)
+        self.lr_varies = spec.schedule.name != "constant" or spec.schedule.warmup_steps > 0
+        self.sync_every = min(spec.log_every_steps, MAX_SYNC_EVERY)
+        self.pending: list[torch.Tensor] = []  # per-step losses since the last sync, on device
+        self.evaluated_at = -1
+        self.window = Window()
+        self.pace = Pace(start_step=pos.step, last_step=pos.step)
+
+    # ---- setup
+
+    def load_resume(self, path: Path) -> str:
+        """Continue from a resume checkpoint: weights, optimizer, GradScaler, position, metrics
+        and this rank's RNG states. Returns the path as events name it."""
+        ckpt = load_checkpoint(path)
+        if ckpt["spec"]["model"] != spec_to_dict(self.spec)["model"]:
+            raise ValueError(f"{path}: saved for model {ckpt['spec']['model']}, not this spec's")
+        self.net.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        if self.scaler.is_enabled() and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.pos.step = int(ckpt["step"])
+        self.pos.epoch = int(ckpt["epoch"])
+        self.pos.batch = int(ckpt["batch_in_epoch"])
+        self.metrics = dict(ckpt.get("metrics") or {})
         rngs = ckpt["rng"]
-        restore_rng(rngs[d.rank] if len(rngs) == W else rngs[0], device)
-        resumed_from = _relative(r.resume, r.run_dir)
+        restore_rng(rngs[self.d.rank] if len(rngs) == self.d.world_size else rngs[0], self.device)
+        return _relative(path, self.r.run_dir)
 
-    model, fwd = wrap_model(net, d, spec.compile)
-    autocast = (
-        torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-    )
+    # ---- the run
 
-    last_saved: dict[str, Any] = {"step": pos.step if resumed_from else -1, "path": resumed_from}
+    def train(self) -> int:
+        """Announce, train to the last step, then the final evaluation, checkpoint, weights."""
+        self.announce_start()
+        self.net.train()
+        while self.pos.epoch < self.spec.epochs and self.pos.step < self.total_steps:
+            if (code := self.train_epoch()) is not None:
+                return code
+            if self.pos.batch < self.batches.steps_per_epoch:  # max_steps reached mid-epoch
+                break
+            if (code := self.end_epoch()) is not None:
+                return code
+        return self.finish()
 
-    def announce(w: Written, kind: str, **extra: Any) -> None:
+    def train_epoch(self) -> int | None:
+        """The steps of the epoch in progress, from its next batch to its end or the last step."""
+        pos, every_steps = self.pos, self.spec.checkpoint.every_steps
+        for x, y in self.batches.train_epoch(pos.epoch, pos.batch):
+            self.update_lr()
+            self.pending.append(self.train_step(x, y))
+            pos.step += 1
+            pos.batch += 1
+            self.window.samples += len(y) * self.d.world_size
+            self.pace.samples += len(y) * self.d.world_size
+            if self.sync_due() and (code := self.sync_point()) is not None:
+                return code
+            if every_steps and pos.step % every_steps == 0:
+                self.save_resume()
+            if pos.step >= self.total_steps:
+                break
+        return None
+
+    def update_lr(self) -> None:
+        if self.lr_varies and (lr := self.lr_at(self.pos.step)) != self.lr:
+            self.lr = lr
+            set_lr(self.opt, lr)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on a batch; returns its loss, left on the device (no host sync)."""
+        with self.autocast:
+            loss = F.cross_entropy(self.model(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        if self.spec.grad_clip:
+            self.scaler.unscale_(self.opt)
+            nn.utils.clip_grad_norm_(self.net.parameters(), self.spec.grad_clip)
+        self.scaler.step(self.opt)  # no host sync: fused optimizers read the inf flag on the GPU
+        self.scaler.update()
+        return loss.detach().float()
+
+    def sync_due(self) -> bool:
+        """A sync point: a log step, every `sync_every` steps, or (one rank) a stop request."""
+        step = self.pos.step
+        if step % self.spec.log_every_steps == 0 or step % self.sync_every == 0:
+            return True
+        return self.r.stop.signal is not None and not self.d.ddp
+
+    def sync_point(self) -> int | None:
+        """Mid-epoch: read the losses, log when due, report progress, stop when asked."""
+        bad, stopping = self.sync()
+        if bad is not None:
+            return self.nonfinite(bad)
+        if self.pos.step % self.spec.log_every_steps == 0:
+            self.log_window()
+        self.report_progress()
+        return self.stop_now() if stopping else None
+
+    def end_epoch(self) -> int | None:
+        """After an epoch's last batch: evaluation and checkpoint when due, then the next."""
+        bad, stopping = self.sync()
+        if bad is not None:
+            return self.nonfinite(bad)
+        ep, spec = self.pos.epoch + 1, self.spec
+        if spec.eval_every_epochs and ep % spec.eval_every_epochs == 0:
+            self.evaluate()
+        if spec.checkpoint.every_epochs and ep % spec.checkpoint.every_epochs == 0:
+            self.save_resume()
+        self.report_progress(force=True)
+        if stopping:
+            return self.stop_now()
+        self.pos.epoch, self.pos.batch = ep, 0
+        return None
+
+    def finish(self) -> int:
+        """The end: last metrics, evaluation, resume checkpoint, then the weights."""
+        bad, _ = self.sync()
+        if bad is not None:
+            return self.nonfinite(bad)
+        if self.window.n:
+            self.log_window()
+        if self.evaluated_at != self.pos.step:
+            self.evaluate()
+        elapsed = time.perf_counter() - self.pace.start_t
+        if self.pace.samples:
+            self.metrics["train/samples_per_s"] = self.pace.samples / max(elapsed, 1e-9)
+        self.save_resume()
+        if self.main:
+            self.export()
+        barrier(self.d)
+        return exitcodes.OK
+
+    # ---- the sync point: the one host sync of a window of steps
+
+    def sync(self) -> tuple[int | None, bool]:
+        """Read the pending losses (summed over ranks, with the stop flag) in one host sync.
+        Returns (first step whose loss is not finite, or None; whether to stop now)."""
+        d, world = self.d, self.d.world_size
+        if d.ddp:  # the stop flag travels with the losses: every rank stops at the same step
+            flag = torch.tensor(1.0 if self.r.stop.signal else 0.0, device=self.device)
+            values = all_reduce_sum(d, torch.stack([*self.pending, flag])).tolist()
+            losses, stopping = [v / world for v in values[:-1]], values[-1] > 0
+        else:
+            losses = torch.stack(self.pending).tolist() if self.pending else []
+            stopping = self.r.stop.signal is not None
+        self.pending.clear()
+        first = self.pos.step - len(losses) + 1
+        for i, v in enumerate(losses):
+            if not math.isfinite(v):
+                return first + i, stopping
+        self.window.loss += sum(losses)
+        self.window.n += len(losses)
+        return None, stopping
+
+    def nonfinite(self, at: int) -> int:
+        msg = f"loss is not finite at step {at}; lower the learning rate or use fp32/bf16"
+        print(f"trainer: nonfinite_loss: {msg}", file=sys.stderr, flush=True)
+        self.events.emit("error", kind="nonfinite_loss", message=msg, step=at, rank=self.d.rank)
+        barrier(self.d)
+        return exitcodes.NONFINITE_LOSS
+
+    def stop_now(self) -> int:
+        """A stop request (SIGTERM, a lost lease): checkpoint here, say so, exit PREEMPTED."""
+        path = self.save_resume()
+        signal = self.r.stop.signal or "SIGTERM"
+        self.events.emit("stopped", signal=signal, step=self.pos.step, checkpoint=path)
+        if self.main:
+            self.r.log(
+                f"stopped by {self.r.stop.signal} at step {self.pos.step}; checkpoint {path}"
+            )
+        barrier(self.d)  # no rank exits (and makes torchrun kill the others) before the save
+        return exitcodes.PREEMPTED
+
+    # ---- reports: metrics, progress, evaluation
+
+    def metric(self, name: str, value: float) -> None:
+        self.events.emit(
+            "metric", step=self.pos.step, epoch=self.pos.event_epoch, name=name, value=value
+        )
+
+    def log_window(self) -> None:
+        """train/loss, train/lr and train/samples_per_s over the window, then a new window."""
+        now, w, pos = time.perf_counter(), self.window, self.pos
+        if w.n and self.main:
+            loss, sps = w.loss / w.n, w.samples / max(now - w.t, 1e-9)
+            self.metrics.update({"train/loss": loss, "train/samples_per_s": sps})
+            for name, value in (
+                ("train/loss", loss),
+                ("train/lr", self.lr),
+                ("train/samples_per_s", sps),
+            ):
+                self.metric(name, value)
+            self.r.log(
+                f"step {pos.step}/{self.total_steps} epoch {pos.event_epoch} loss {loss:.4f} "
+                f"lr {self.lr:.4g} {sps:.0f} samples/s"
+            )
+        self.window = Window(t=now)
+
+    def report_progress(self, force: bool = False) -> None:
+        """A `progress` event at most every PROGRESS_EVERY_S (unless forced), rank 0 only."""
+        now, p, step = time.perf_counter(), self.pace, self.pos.step
+        if not self.main or (not force and now - p.last_t < PROGRESS_EVERY_S):
+            return
+        sps = (step - p.last_step) * self.spec.batch_size / max(now - p.last_t, 1e-9)
+        done = step - p.start_step
+        eta = (self.total_steps - step) * (now - p.start_t) / done if done else None
+        self.events.emit(
+            "progress",
+            step=step,
+            total_steps=self.total_steps,
+            epoch=self.pos.event_epoch,
+            samples_per_s=sps,
+            eta_s=eta,
+        )
+        p.last_t, p.last_step = now, step
+
+    def evaluate(self) -> None:
+        """val/loss and val/accuracy over every rank's shard; one sync at the end."""
+        self.evaluated_at = self.pos.step
+        if self.ds.val is None:
+            return
+        self.net.eval()
+        tot = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
+        with torch.no_grad(), self.autocast:
+            for x, y in self.batches.val_batches():
+                out = self.fwd(x)
+                tot[0] += F.cross_entropy(out.float(), y, reduction="sum")
+                tot[1] += (out.argmax(1) == y).sum()
+                tot[2] += len(y)
+        self.net.train()
+        loss_sum, correct, n = all_reduce_sum(self.d, tot).tolist()
+        self.metrics.update({"val/loss": loss_sum / n, "val/accuracy": correct / n})
+        for name in ("val/loss", "val/accuracy"):
+            self.metric(name, self.metrics[name])
+        if self.main:
+            self.r.log(
+                f"eval step {self.pos.step} val/loss {self.metrics['val/loss']:.4f} "
+                f"val/accuracy {self.metrics['val/accuracy']:.4f}"
+            )
+
+    def announce_start(self) -> None:
+        """The `started` event and the log's first training line (rank 0)."""
+        if not self.main:
+            return
+        spec, d, b, device = self.spec, self.d, self.batches, self.device
+        self.events.emit(
+            "started",
+            world_size=d.world_size,
+            device=str(device),
+            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            precision=self.precision,
+            sync_batchnorm=self.sync_bn,
+            deterministic=spec.deterministic,
+            versions=versions(),
+            resumed_from=self.resumed_from,
+            step=self.pos.step,
+            epoch=self.pos.event_epoch,
+            total_steps=self.total_steps,
+            steps_per_epoch=b.steps_per_epoch,
+            loader=b.mode,
+            train_samples=b.n_train,
+            val_samples=b.n_val,
+            parameters=sum(p.numel() for p in self.net.parameters()),
+        )
+        self.r.log(
+            f"training {spec.display_name}: {self.total_steps - self.pos.step} steps left of "
+            f"{self.total_steps}, {b.steps_per_epoch} per epoch, {d.world_size} rank(s) on "
+            f"{device}, {self.precision}, data path '{b.mode}'"
+        )
+
+    # ---- files: resume checkpoints and the final weights
+
+    def announce_file(self, w: Written, kind: str, **extra: Any) -> None:
         """Tell the worker about a complete, renamed file (never a partial one)."""
-        events.emit(
+        self.events.emit(
             "checkpoint",
-            step=pos.step,
-            epoch=pos.event_epoch,
+            step=self.pos.step,
+            epoch=self.pos.event_epoch,
             path=w.path,
             bytes=w.bytes,
             sha256=w.sha256,
@@ -199,245 +496,55 @@ def _train(spec: JobSpec, r: Run, pos: Position) -> int:
             **extra,
         )
 
-    def save_resume() -> str | None:
-        """Resume checkpoint at the current position (collective: gathers every rank's RNG)."""
-        if last_saved["step"] == pos.step:
-            return last_saved["path"]
-        rngs = gather_to_main(d, capture_rng(device))
+    def save_resume(self) -> str | None:
+        """Resume checkpoint at the current position (collective: gathers every rank's RNG).
+        Returns its path on rank 0 (None elsewhere); a step already saved is not saved again."""
+        if self.saved_step == self.pos.step:
+            return self.saved_path
+        rngs = gather_to_main(self.d, capture_rng(self.device))
         path = None
-        if main:
-            payload = {
-                "model": net.state_dict(),
-                "optimizer": opt.state_dict(),
-                "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                "epoch": pos.epoch,
-                "batch_in_epoch": pos.batch,
-                "rng": rngs,
-                "world_size": W,
-                "spec": spec_to_dict(spec),
-                "metrics": dict(metrics),
-            }
-            w = save_checkpoint(r.run_dir, pos.step, payload)
-            pruned = prune(r.run_dir, spec.checkpoint.keep_last, w.path)
-            announce(w, "resume", pruned=pruned)
+        if self.main:
+            w = save_checkpoint(self.r.run_dir, self.pos.step, self.checkpoint_payload(rngs))
+            pruned = prune(self.r.run_dir, self.spec.checkpoint.keep_last, w.path)
+            self.announce_file(w, "resume", pruned=pruned)
             path = w.path
-        last_saved.update(step=pos.step, path=path)
+        self.saved_step, self.saved_path = self.pos.step, path
         return path
 
-    def evaluate() -> None:
-        """val/loss and val/accuracy over every rank's shard; one sync at the end."""
-        if ds.val is None:
-            return
-        net.eval()
-        tot = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-        with torch.no_grad(), autocast:
-            for x, y in batches.val_batches():
-                out = fwd(x)
-                tot[0] += F.cross_entropy(out.float(), y, reduction="sum")
-                tot[1] += (out.argmax(1) == y).sum()
-                tot[2] += len(y)
-        net.train()
-        loss_sum, correct, n = all_reduce_sum(d, tot).tolist()
-        metrics.update({"val/loss": loss_sum / n, "val/accuracy": correct / n})
-        for name in ("val/loss", "val/accuracy"):
-            events.emit(
-                "metric", step=pos.step, epoch=pos.event_epoch, name=name, value=metrics[name]
-            )
-        if main:
-            r.log(
-                f"eval step {pos.step} val/loss {metrics['val/loss']:.4f} "
-                f"val/accuracy {metrics['val/accuracy']:.4f}"
-            )
+    def checkpoint_payload(self, rngs: list[Any]) -> dict[str, Any]:
+        """What `load_resume` reads back (trainer/checkpoint.py adds the format and step)."""
+        return {
+            "model": self.net.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "epoch": self.pos.epoch,
+            "batch_in_epoch": self.pos.batch,
+            "rng": rngs,
+            "world_size": self.d.world_size,
+            "spec": spec_to_dict(self.spec),
+            "metrics": dict(self.metrics),
+        }
 
-    # ---- announce, then train
-    if main:
-        events.emit(
-            "started",
-            world_size=W,
-            device=str(device),
-            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            precision=precision,
-            sync_batchnorm=sync_bn,
-            deterministic=spec.deterministic,
-            versions=versions(),
-            resumed_from=resumed_from,
-            step=pos.step,
-            epoch=pos.event_epoch,
-            total_steps=total_steps,
-            steps_per_epoch=spe,
-            loader=batches.mode,
-            train_samples=batches.n_train,
-            val_samples=batches.n_val,
-            parameters=sum(p.numel() for p in net.parameters()),
-        )
-        r.log(
-            f"training {spec.display_name}: {total_steps - pos.step} steps left of {total_steps}, "
-            f"{spe} per epoch, {W} rank(s) on {device}, {precision}, data path '{batches.mode}'"
-        )
-
-    sync_every = min(spec.log_every_steps, MAX_SYNC_EVERY)
-    every_steps = spec.checkpoint.every_steps
-    pending: list[torch.Tensor] = []  # per-step losses since the last sync, on the device
-    window = {"loss": 0.0, "n": 0, "samples": 0, "t": time.perf_counter()}
-    progress = {"t": time.perf_counter(), "step": pos.step}
-    attempt_start = (time.perf_counter(), pos.step)
-    samples_seen = 0
-    lr = lr_at(pos.step)
-    set_lr(opt, lr)
-    lr_varies = spec.schedule.name != "constant" or spec.schedule.warmup_steps > 0
-    evaluated_at = -1
-
-    def sync() -> tuple[int | None, bool]:
-        """Read the pending losses (summed over ranks, with the stop flag) in one host sync.
-        Returns (first step whose loss is not finite, or None; whether to stop now)."""
-        if d.ddp:  # the stop flag travels with the losses: every rank stops at the same step
-            flag = torch.tensor(1.0 if r.stop.signal else 0.0, device=device)
-            values = all_reduce_sum(d, torch.stack([*pending, flag])).tolist()
-            losses, stopping = [v / W for v in values[:-1]], values[-1] > 0
-        else:
-            losses = torch.stack(pending).tolist() if pending else []
-            stopping = r.stop.signal is not None
-        pending.clear()
-        first = pos.step - len(losses) + 1
-        for i, v in enumerate(losses):
-            if not math.isfinite(v):
-                return first + i, stopping
-        window["loss"] += sum(losses)
-        window["n"] += len(losses)
-        return None, stopping
-
-    def log_window() -> None:
-        now = time.perf_counter()
-        if window["n"] and main:
-            loss = window["loss"] / window["n"]
-            sps = window["samples"] / max(now - window["t"], 1e-9)
-            metrics.update({"train/loss": loss, "train/samples_per_s": sps})
-            for name, value in (
-                ("train/loss", loss),
-                ("train/lr", lr),
-                ("train/samples_per_s", sps),
-            ):
-                events.emit("metric", step=pos.step, epoch=pos.event_epoch, name=name, value=value)
-            r.log(
-                f"step {pos.step}/{total_steps} epoch {pos.event_epoch} loss {loss:.4f} "
-                f"lr {lr:.4g} {sps:.0f} samples/s"
-            )
-        window.update(loss=0.0, n=0, samples=0, t=now)
-
-    def report_progress(force: bool = False) -> None:
-        now = time.perf_counter()
-        if not main or (not force and now - progress["t"] < PROGRESS_EVERY_S):
-            return
-        sps = (pos.step - progress["step"]) * spec.batch_size / max(now - progress["t"], 1e-9)
-        done = pos.step - attempt_start[1]
-        eta = (total_steps - pos.step) * (now - attempt_start[0]) / done if done else None
-        events.emit(
-            "progress",
-            step=pos.step,
-            total_steps=total_steps,
-            epoch=pos.event_epoch,
-            samples_per_s=sps,
-            eta_s=eta,
-        )
-        progress.update(t=now, step=pos.step)
-
-    def nonfinite(at: int) -> int:
-        msg = f"loss is not finite at step {at}; lower the learning rate or use fp32/bf16"
-        print(f"trainer: nonfinite_loss: {msg}", file=sys.stderr, flush=True)
-        events.emit("error", kind="nonfinite_loss", message=msg, step=at, rank=d.rank)
-        barrier(d)
-        return exitcodes.NONFINITE_LOSS
-
-    def stop_now() -> int:
-        path = save_resume()
-        events.emit("stopped", signal=r.stop.signal or "SIGTERM", step=pos.step, checkpoint=path)
-        if main:
-            r.log(f"stopped by {r.stop.signal} at step {pos.step}; checkpoint {path}")
-        barrier(d)  # no rank exits (and makes torchrun kill the others) before the save is done
-        return exitcodes.PREEMPTED
-
-    net.train()
-    while pos.epoch < spec.epochs and pos.step < total_steps:
-        for x, y in batches.train_epoch(pos.epoch, pos.batch):
-            if lr_varies and (new_lr := lr_at(pos.step)) != lr:
-                lr = new_lr
-                set_lr(opt, lr)
-            with autocast:
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            if spec.grad_clip:
-                scaler.unscale_(opt)
-                nn.utils.clip_grad_norm_(net.parameters(), spec.grad_clip)
-            scaler.step(opt)  # no host sync: fused optimizers read the inf flag on the GPU
-            scaler.update()
-            pos.step += 1
-            pos.batch += 1
-            pending.append(loss.detach().float())
-            n = len(y) * W
-            window["samples"] += n
-            samples_seen += n
-
-            log_due = pos.step % spec.log_every_steps == 0
-            if log_due or pos.step % sync_every == 0 or (r.stop.signal and not d.ddp):
-                bad, stopping = sync()
-                if bad is not None:
-                    return nonfinite(bad)
-                if log_due:
-                    log_window()
-                report_progress()
-                if stopping:
-                    return stop_now()
-            if every_steps and pos.step % every_steps == 0:
-                save_resume()
-            if pos.step >= total_steps:
-                break
-
-        if pos.batch < spe:  # max_steps reached mid-epoch
-            break
-        # ---- end of an epoch
-        bad, stopping = sync()
-        if bad is not None:
-            return nonfinite(bad)
-        ep = pos.epoch + 1
-        if spec.eval_every_epochs and ep % spec.eval_every_epochs == 0:
-            evaluate()
-            evaluated_at = pos.step
-        if spec.checkpoint.every_epochs and ep % spec.checkpoint.every_epochs == 0:
-            save_resume()
-        report_progress(force=True)
-        if stopping:
-            return stop_now()
-        pos.epoch, pos.batch = ep, 0
-
-    # ---- the end: last metrics, evaluation, resume checkpoint, weights
-    bad, stopping = sync()
-    if bad is not None:
-        return nonfinite(bad)
-    if window["n"]:
-        log_window()
-    if evaluated_at != pos.step:
-        evaluate()
-    elapsed = time.perf_counter() - attempt_start[0]
-    if samples_seen:
-        metrics["train/samples_per_s"] = samples_seen / max(elapsed, 1e-9)
-    save_resume()
-    if main:
+    def export(self) -> None:
+        """The final weights as safetensors, then `finished` (rank 0)."""
+        pos, ds = self.pos, self.ds
         meta = {
-            "model": spec.model.name,
+            "model": self.spec.model.name,
             "num_classes": str(ds.num_classes),
             "input_shape": ",".join(map(str, ds.sample_shape)),
             "step": str(pos.step),
         }
-        w = export_weights(r.run_dir, net.state_dict(), meta)
+        w = export_weights(self.r.run_dir, self.net.state_dict(), meta)
         assert w.path == WEIGHTS_FILE
-        announce(w, "weights")
-        events.emit("finished", step=pos.step, epoch=pos.event_epoch, metrics=dict(metrics))
-        r.log(
-            f"finished at step {pos.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        self.announce_file(w, "weights")
+        self.events.emit(
+            "finished", step=pos.step, epoch=pos.event_epoch, metrics=dict(self.metrics)
         )
-    barrier(d)
-    return exitcodes.OK
+        summary = ", ".join(f"{k} {v:.4g}" for k, v in self.metrics.items())
+        self.r.log(f"finished at step {pos.step}: {summary}")
+
+
+# ---------------------------------------------------------------------------- helpers
 
 
 def set_determinism(deterministic: bool, device: torch.device) -> None:
@@ -475,15 +582,6 @@ def wrap_model(net: nn.Module, d: Dist, compile: bool) -> tuple[nn.Module, nn.Mo
         return train, net
     fwd = torch.compile(net)
     return (torch.compile(train) if d.ddp else fwd), fwd  # type: ignore[return-value]
-
-
-def _resume_position(pos: Position, ckpt: dict[str, Any]) -> Position:
-    pos.step, pos.epoch, pos.batch = (
-        int(ckpt["step"]),
-        int(ckpt["epoch"]),
-        int(ckpt["batch_in_epoch"]),
-    )
-    return pos
 
 
 def _relative(path: Path, run_dir: Path) -> str:

@@ -185,6 +185,15 @@ class CheckpointSpec(_Strict):
     """Resume checkpoints kept on disk; older ones are deleted."""
 
 
+def batch_split_problem(batch_size: int, world_size: int) -> str | None:
+    """Why a global batch cannot be split evenly over `world_size` ranks, or None. The one rule:
+    the spec's own check, the trainer's command line (the world torchrun gives) and the
+    training loop all ask it."""
+    if batch_size % world_size:
+        return f"must be divisible by world_size ({world_size})"
+    return None
+
+
 class JobSpec(_Strict):
     """A training job. Only `model`, `data` and `optimizer` are required."""
 
@@ -225,8 +234,8 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
         problems = []
-        if self.batch_size % self.world_size:
-            problems.append(("batch_size", f"must be divisible by world_size ({self.world_size})"))
+        if problem := batch_split_problem(self.batch_size, self.world_size):
+            problems.append(("batch_size", problem))
         shape = self.data.sample_shape
         if self.model.name in CONV_MODELS and self.data.name == "synthetic":
             if len(shape) != 3:
@@ -243,10 +252,6 @@ class JobSpec(_Strict):
     @property
     def display_name(self) -> str:
         return self.name or f"{self.data.name}-{self.model.name}"
-
-    @property
-    def per_rank_batch(self) -> int:
-        return self.batch_size // self.world_size
 
 
 class SpecError(ValueError):

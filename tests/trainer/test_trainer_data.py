@@ -119,9 +119,8 @@ def test_synthetic_is_deterministic_and_per_sample() -> None:
 
 
 def _batches(ds, loader: str, workers: int = 0, world: int = 1, rank: int = 0) -> Batches:
-    return Batches(
-        ds, CPU, 32 // world, rank, world, seed=5, loader=loader, num_workers=workers, eval_batch=64
-    )
+    return Batches(ds, device=CPU, per_rank_batch=32 // world, rank=rank, world=world, seed=5,
+                   loader=loader, num_workers=workers, eval_batch=64)  # fmt: skip
 
 
 @pytest.mark.parametrize(("workers", "world", "rank"), [(0, 1, 0), (1, 1, 0), (0, 2, 1)])
@@ -158,7 +157,10 @@ def test_resuming_mid_epoch_continues_the_same_order() -> None:
 
 def test_validation_shards_cover_the_set_once() -> None:
     ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
-    shards = [Batches(ds, CPU, 8, r, 3, 0, "device", 0, 64) for r in range(3)]
+    shards = [
+        Batches(ds, device=CPU, per_rank_batch=8, rank=r, world=3, loader="device", eval_batch=64)
+        for r in range(3)
+    ]
     labels = [y for s in shards for _, y in s.val_batches()]
     assert sum(len(y) for y in labels) == len(ds.val)
     assert sorted(torch.cat(labels).tolist()) == sorted(ds.val.labels.tolist())
@@ -172,3 +174,13 @@ def test_digits_read_directly_equal_scikit_learns_loader() -> None:
     x, y = read_digits()
     d = load_digits()
     assert (x == d.images).all() and (y == d.target).all() and x.dtype.name == "uint8"
+
+
+def test_batches_refuse_an_unknown_loader_and_positional_options() -> None:
+    ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
+    with pytest.raises(ValueError, match="loader 'gpu': must be one of auto, device, dataloader"):
+        Batches(ds, device=CPU, per_rank_batch=8, loader="gpu")
+    with pytest.raises(ValueError, match="rank 3 of 3"):
+        Batches(ds, device=CPU, per_rank_batch=8, rank=3, world=3)
+    with pytest.raises(TypeError):
+        Batches(ds, CPU, 8)  # type: ignore[misc]

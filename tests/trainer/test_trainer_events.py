@@ -1,4 +1,5 @@
-"""Every event line says which attempt wrote it (TORCHYARD_ATTEMPT, set by the worker), and
+"""Event lines keep their format, are checked against trainer/eventmodel.py before they are
+written, and parse on the worker's side. Every event line says which attempt wrote it (TORCHYARD_ATTEMPT, set by the worker), and
 the lifecycle events (`started`, `finished`, `stopped`, `error`) say which process: a later
 attempt's supervisor tells its own trainer's lines from an earlier one's in the shared file."""
 
@@ -13,6 +14,7 @@ import pytest
 from trainer_testlib import REPO, make_spec, read_events, trainer_cmd, trainer_env, write_spec
 
 from torchyard.trainer import exitcodes
+from torchyard.trainer.eventmodel import event_dict, parse_event_line
 from torchyard.trainer.events import (
     ATTEMPT_ENV,
     PID_EVENTS,
@@ -111,3 +113,63 @@ def test_a_bad_attempt_variable_is_a_startup_error(tmp_path: Path, raw: str) -> 
     assert proc.returncode == exitcodes.BAD_SPEC
     assert ATTEMPT_ENV in err and repr(raw) in err
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+# Each event type with the fields trainer/loop.py gives it.
+FULL: dict[str, dict] = {
+    "started": dict(world_size=2, device="cuda:0", device_name="H100", precision="bf16",
+                    sync_batchnorm=False, deterministic=True,
+                    versions={"torch": "2.5", "cudnn": None}, resumed_from=None, step=0,
+                    epoch=0, total_steps=100, steps_per_epoch=10, loader="device",
+                    train_samples=640, val_samples=64, parameters=1234),
+    "metric": dict(step=5, epoch=1, name="train/lr", value=1),
+    "checkpoint": dict(step=5, epoch=1, path="checkpoints/step-5.pt", bytes=10,
+                       sha256="ab" * 32, kind="resume", pruned=["checkpoints/step-1.pt"]),
+    "progress": dict(step=5, total_steps=100, epoch=1, samples_per_s=12.5, eta_s=None),
+    "finished": dict(step=100, epoch=10, metrics={"train/loss": 0.1, "val/loss": float("nan")}),
+    "stopped": dict(signal="SIGTERM", step=7, checkpoint="checkpoints/step-7.pt"),
+    "error": dict(kind="data", message="no such file", step=0, rank=1),
+}  # fmt: skip
+
+
+def test_lines_keep_their_format_and_the_worker_reads_every_one(tmp_path: Path) -> None:
+    sink = JsonlEvents(tmp_path / "events.jsonl", attempt=2)
+    for t, fields in FULL.items():
+        sink.emit(t, **fields)
+    sink.close()
+    lines = (tmp_path / "events.jsonl").read_bytes().splitlines()
+    assert len(lines) == len(FULL)
+    for line, (t, fields) in zip(lines, FULL.items(), strict=True):
+        ev = json.loads(line)
+        # the old format: type, time, the fields in the order given, attempt, then pid;
+        # numbers as given (1 stays 1) and a NaN as null
+        pid = ["pid"] if t in PID_EVENTS else []
+        assert list(ev) == ["type", "time", *fields, "attempt", *pid]
+        assert ev["type"] == t and ev["attempt"] == 2
+        if t == "metric":
+            assert line.decode().count('"value":1,') == 1
+        if t == "finished":
+            assert ev["metrics"] == {"train/loss": 0.1, "val/loss": None}
+        parsed = parse_event_line(line)  # what the worker does with it
+        assert parsed.type == t and event_dict(parsed) == ev
+
+
+@pytest.mark.parametrize(
+    ("type", "fields", "problem"),
+    [
+        ("launched", {"step": 1}, "unknown event type"),
+        ("metric", {"step": 1, "nmae": "x"}, "undeclared field"),
+        ("progress", {"step": 1, "pid": 3}, "undeclared field"),  # pid is lifecycle only
+        ("metric", {"step": "1", "name": "x", "value": 1.0}, "step"),
+        ("checkpoint", {"step": 1, "pruned": "a.pt"}, "pruned"),
+        ("error", {"rank": True}, "rank"),
+    ],
+)
+def test_a_malformed_event_is_refused_before_it_is_written(
+    tmp_path: Path, type: str, fields: dict, problem: str
+) -> None:
+    sink = JsonlEvents(tmp_path / "events.jsonl")
+    with pytest.raises(ValueError, match=problem):
+        sink.emit(type, **fields)
+    sink.close()
+    assert (tmp_path / "events.jsonl").read_bytes() == b""

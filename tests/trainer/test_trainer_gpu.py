@@ -63,7 +63,7 @@ def test_data_lives_on_the_gpu_on_the_device_path() -> None:
     from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
-    b = Batches(ds, torch.device("cuda"), 64, 0, 1, 0, "device", 0, 256)
+    b = Batches(ds, device=torch.device("cuda"), per_rank_batch=64, loader="device")
     x, y = next(b.train_epoch(0))
     assert b.mode == "device" and x.is_cuda and y.is_cuda and x.dtype == torch.float32
 
@@ -73,7 +73,8 @@ def test_dataloader_path_pins_memory_and_trains(tmp_path: Path) -> None:
     from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
-    b = Batches(ds, torch.device("cuda"), 64, 0, 1, 0, "dataloader", 2, 256)
+    b = Batches(ds, device=torch.device("cuda"), per_rank_batch=64, loader="dataloader",
+                num_workers=2)  # fmt: skip
     assert b.loader.pin_memory
     x, y = next(b.train_epoch(0))
     assert x.is_cuda and y.is_cuda

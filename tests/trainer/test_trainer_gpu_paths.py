@@ -113,7 +113,8 @@ def test_channels_last_is_applied_per_batch_not_to_the_resident_set(cifar_root: 
     from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="cifar10"), cifar_root, 0)
-    b = Batches(ds, torch.device("cpu"), 32, 0, 1, 0, "device", 0, 256, channels_last=True)
+    b = Batches(ds, device=torch.device("cpu"), per_rank_batch=32, loader="device",
+                eval_batch=256, channels_last=True)  # fmt: skip
     resident, _ = b._train
     assert resident.is_contiguous()  # NCHW: index_select would return NCHW anyway
     x, _ = next(b.train_epoch(0))

@@ -12,15 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from proclib import assert_dies_with_parent
 from trainer_testlib import REPO, make_spec, trainer_cmd, trainer_env, write_spec
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.e2e
@@ -39,23 +32,11 @@ def test_trainer_dies_with_its_parent(tmp_path: Path) -> None:
                               stdout=subprocess.PIPE,
                               env=trainer_env(TORCHYARD_DIE_WITH_PARENT="1"))  # fmt: skip
     child = int(parent.stdout.readline())
-    try:
-        deadline = time.monotonic() + 60
-        events = run_dir / "events.jsonl"
-        while not (events.exists() and events.stat().st_size) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _alive(child), "the trainer should be running"
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not _alive(child), "the trainer outlived its parent"
-    finally:
-        if _alive(child):
-            os.kill(child, signal.SIGKILL)
-        if parent.poll() is None:
-            parent.kill()
+    deadline = time.monotonic() + 60
+    events = run_dir / "events.jsonl"
+    while not (events.exists() and events.stat().st_size) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_dies_with_parent(parent, child, "trainer")
 
 
 def test_a_repeated_sigterm_does_not_kill_before_the_checkpoint() -> None:
@@ -77,3 +58,20 @@ def test_a_repeated_sigterm_does_not_kill_before_the_checkpoint() -> None:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
+def test_die_with_parent_sets_the_parent_death_signal() -> None:
+    # In a child process: the setting would outlive the test in this one.
+    code = (
+        "import ctypes, signal; from torchyard.trainer.parent import die_with_parent; "
+        "libc = ctypes.CDLL(None); before = ctypes.c_int(-1); after = ctypes.c_int(-1); "
+        "libc.prctl(2, ctypes.byref(before), 0, 0, 0); "  # PR_GET_PDEATHSIG
+        "ok = die_with_parent(signal.SIGUSR1); "
+        "libc.prctl(2, ctypes.byref(after), 0, 0, 0); "
+        "print(before.value, ok, after.value == signal.SIGUSR1)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=trainer_env(), cwd=REPO,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["0", "True", "True"]

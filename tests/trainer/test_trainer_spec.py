@@ -161,3 +161,15 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
         == 2
     )
     assert not (tmp_path / "r").exists()
+
+
+def test_cli_refuses_a_batch_the_ranks_cannot_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchyard.trainer.cli import main
+
+    ok = write_spec(tmp_path / "ok.json", make_spec(batch_size=64))  # world_size 1: valid
+    monkeypatch.setenv("WORLD_SIZE", "3")  # but torchrun started 3 ranks
+    assert main(["--spec", str(ok), "--run-dir", str(tmp_path / "r")]) == exitcodes.BAD_SPEC
+    assert "batch_size 64 must be divisible by world_size (3)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

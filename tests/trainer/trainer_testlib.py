@@ -48,7 +48,8 @@ def trainer_env(**extra: str) -> dict[str, str]:
 def trainer_cmd(spec_path: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
-        "-m", "torchyard.trainer",
+        "-m",
+        "torchyard.trainer",
         "--spec",
         str(spec_path),
         "--run-dir",
