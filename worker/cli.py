@@ -28,7 +28,7 @@ def _logging(level: str) -> None:
     )
 
 
-def worker_main(argv: list[str]) -> int:
+def _worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchyard worker",
         description="Run one worker: a Celery worker (concurrency 1) on its own queue that "
@@ -58,6 +58,11 @@ def worker_main(argv: list[str]) -> int:
         "(default: $TORCHYARD_ADVERTISE_ADDR, else the host name's address)",
     )
     p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def worker_main(argv: list[str]) -> int:
+    p = _worker_parser()
     args = p.parse_args(argv)
     if args.gpu is not None and args.gpu < 0:
         p.error("--gpu must be >= 0")

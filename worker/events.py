@@ -7,26 +7,40 @@ Each batch commits, with its rows, the byte offset it reaches (the attempt's
 elsewhere cannot write. Whoever supervises the job next ingests from the furthest
 committed offset, so a store outage of any length loses nothing. Events of another
 attempt than the recorder's (a previous trainer's last lines) are recorded (metrics,
-checkpoints) but never change the job's state."""
+checkpoints) but never change the job's state.
+
+Every line is parsed by the trainer's event model (trainer/eventmodel.py); a line that is
+not a valid event is logged and skipped."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from torchyard.store.attempts import set_events_offset
 from torchyard.store.checkpoints import mark_deleted, record_checkpoint
+from torchyard.store.jobs import bump_version, set_progress
 from torchyard.store.lifecycle import fence, mark_started
 from torchyard.store.metrics import ingest_metrics
-from torchyard.store.models import Job
 from torchyard.store.paths import UnsafePath
+from torchyard.trainer.eventmodel import (
+    CheckpointEvent,
+    ErrorEvent,
+    Event,
+    MetricEvent,
+    Progress,
+    Started,
+    Stopped,
+    ValidationError,
+    event_dict,
+    parse_event,
+    parse_event_line,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +48,22 @@ PROGRESS_KEYS = ("step", "total_steps", "epoch", "samples_per_s", "eta_s")
 CHECKPOINT_KINDS = ("resume", "weights")
 
 
+def _parse(line: bytes) -> Event | None:
+    try:
+        return parse_event_line(line)
+    except ValidationError as e:
+        log.warning(
+            "skipping a malformed event line (%d bytes): %s",
+            len(line),
+            e.errors(include_url=False, include_input=False)[:3],
+        )
+        return None
+
+
 def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | None:
     """The last `error` or `stopped` event of `attempt` that a rank other than 0 wrote to
-    its own file (trainer/eventfiles.py) past byte `start`; None if there is none."""
+    its own file (trainer/eventfiles.py) past byte `start`, as written; None if there is
+    none."""
     try:
         with path.open("rb") as f:
             f.seek(start)
@@ -46,20 +73,12 @@ def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | No
     found = None
     for line in data.splitlines():
         try:
-            ev = json.loads(line)
-        except ValueError:
+            ev = parse_event_line(line)
+        except ValidationError:  # a torn last line: the rank was killed mid-write
             continue
-        if (
-            isinstance(ev, dict)
-            and ev.get("attempt") == attempt
-            and ev.get("type")
-            in (
-                "error",
-                "stopped",
-            )
-        ):
+        if isinstance(ev, ErrorEvent | Stopped) and ev.attempt == attempt:
             found = ev
-    return found
+    return None if found is None else event_dict(found)
 
 
 class EventTail:
@@ -100,23 +119,13 @@ class EventTail:
         self.offset += len(data)
         return data
 
-    def read(self, final: bool = False) -> list[dict[str, Any]]:
+    def read(self, final: bool = False) -> list[Event]:
         """Events completed since the last call; with `final`, also a last unterminated line."""
         data = self._partial + self._chunks()
         lines = data.split(b"\n")
         self._partial = b"" if final else lines.pop()
-        events = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                log.warning("skipping a malformed event line (%d bytes)", len(line))
-                continue
-            if isinstance(ev, dict) and isinstance(ev.get("type"), str):
-                events.append(ev)
-        return events
+        parsed = (_parse(line) for line in lines if line.strip())
+        return [ev for ev in parsed if ev is not None]
 
     def close(self) -> None:
         if self._f is not None:
@@ -133,13 +142,28 @@ def _num(v: Any) -> float | None:
 
 @dataclass
 class Outcome:
-    """What the events said about how the run ended (read by the supervisor)."""
+    """What the events said about how the run ended (read by the supervisor); `error` and
+    `stopped` are the events as written (worker/outcome.py reads them as dicts)."""
 
     started: bool = False
     finished: bool = False
     error: dict[str, Any] | None = None
     stopped: dict[str, Any] | None = None
     last_step: int | None = None
+
+
+def _metric_row(ev: MetricEvent) -> dict[str, Any] | None:
+    """The store row of a metric event; None when it has no name, step or finite value."""
+    value, when = _num(ev.value), _num(ev.time)
+    if ev.name is None or ev.step is None or value is None:
+        return None
+    return {
+        "name": ev.name[:100],
+        "step": ev.step,
+        "epoch": _num(ev.epoch),
+        "value": value,
+        "time": when if when is not None else 0.0,
+    }
 
 
 @dataclass
@@ -154,59 +178,49 @@ class EventRecorder:
     attempt_number: int | None
     outcome: Outcome = field(default_factory=Outcome)
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[CheckpointEvent] = field(default_factory=list)
     progress: dict[str, Any] | None = None
     started_pending: bool = False
     offset: int | None = None  # where the buffered events end in the file
 
-    def _own(self, ev: dict[str, Any]) -> bool:
+    def _own(self, ev: Event) -> bool:
         if self.attempt_number is None:
             return False
-        n = ev.get("attempt")
         # A trainer started by hand (no TORCHYARD_ATTEMPT) writes no attempt number.
-        return n is None or n == self.attempt_number
+        return ev.attempt is None or ev.attempt == self.attempt_number
 
-    def add(self, ev: dict[str, Any], offset: int | None = None) -> None:
+    def add(self, ev: Event | dict[str, Any], offset: int | None = None) -> None:
+        """Buffer one event (a dict is parsed first: ValidationError if it is not one)."""
+        if isinstance(ev, dict):
+            ev = parse_event(ev)
         if offset is not None:
             self.offset = offset
-        t = ev.get("type")
-        if t == "metric":
-            value, when = _num(ev.get("value")), _num(ev.get("time"))
-            if (
-                isinstance(ev.get("name"), str)
-                and isinstance(ev.get("step"), int)
-                and value is not None
-            ):
-                self.metrics.append(
-                    {
-                        "name": ev["name"][:100],
-                        "step": ev["step"],
-                        "epoch": _num(ev.get("epoch")),
-                        "value": value,
-                        "time": when if when is not None else 0.0,
-                    }
-                )
+        if isinstance(ev, MetricEvent):
+            row = _metric_row(ev)
+            if row is not None:
+                self.metrics.append(row)
         elif (
-            t == "checkpoint"
-            and ev.get("kind", "resume") in CHECKPOINT_KINDS
-            and isinstance(ev.get("path"), str)
+            isinstance(ev, CheckpointEvent) and ev.kind in CHECKPOINT_KINDS and ev.path is not None
         ):
             self.checkpoints.append(ev)
-        if not self._own(ev):
-            return
-        if isinstance(ev.get("step"), int):
-            self.outcome.last_step = ev["step"]
-        if t == "progress":
-            self.progress = {k: ev.get(k) for k in PROGRESS_KEYS}
-        elif t == "started":
+        if self._own(ev):
+            self._follow(ev)
+
+    def _follow(self, ev: Event) -> None:
+        """What this attempt's own event says about the run."""
+        if ev.step is not None:
+            self.outcome.last_step = ev.step
+        if isinstance(ev, Progress):
+            self.progress = {k: getattr(ev, k) for k in PROGRESS_KEYS}
+        elif isinstance(ev, Started):
             self.outcome.started = True
             self.started_pending = True
-        elif t == "finished":
+        elif ev.type == "finished":
             self.outcome.finished = True
-        elif t == "error":
-            self.outcome.error = ev
-        elif t == "stopped":
-            self.outcome.stopped = ev
+        elif isinstance(ev, ErrorEvent):
+            self.outcome.error = event_dict(ev)
+        elif isinstance(ev, Stopped):
+            self.outcome.stopped = event_dict(ev)
 
     def add_all(self, tail: EventTail, final: bool = False) -> int:
         events = tail.read(final=final)
@@ -224,6 +238,25 @@ class EventRecorder:
             + int(self.started_pending)
         )
 
+    def _write_checkpoint(self, session: Session, c: CheckpointEvent) -> None:
+        try:
+            record_checkpoint(
+                session,
+                self.job_id,
+                attempt=c.attempt if c.attempt is not None else (self.attempt_number or 0),
+                step=c.step or 0,
+                epoch=_num(c.epoch),
+                path=c.path or "",
+                bytes=c.bytes or 0,
+                sha256=c.sha256 or "",
+                kind=c.kind,
+            )
+        except (UnsafePath, ValueError, TypeError) as e:
+            log.warning("checkpoint event refused: %s", e)
+        # keep_last deleted these files: stop listing them for download or resume.
+        if c.pruned is not None:
+            mark_deleted(session, self.job_id, c.pruned)
+
     def write(self, session: Session) -> None:
         """Write the buffer in the caller's transaction, fenced by the attempt (raises
         store.lifecycle.Fenced when it has ended); `clear()` after it commits."""
@@ -233,32 +266,12 @@ class EventRecorder:
         if self.metrics:
             ingest_metrics(session, self.job_id, self.metrics)
         for c in self.checkpoints:
-            attempt = c.get("attempt")
-            try:
-                record_checkpoint(
-                    session,
-                    self.job_id,
-                    attempt=attempt if isinstance(attempt, int) else (self.attempt_number or 0),
-                    step=int(c.get("step") or 0),
-                    epoch=_num(c.get("epoch")),
-                    path=c["path"],
-                    bytes=int(c.get("bytes") or 0),
-                    sha256=str(c.get("sha256") or ""),
-                    kind=c.get("kind", "resume"),
-                )
-            except (UnsafePath, ValueError, TypeError) as e:
-                log.warning("checkpoint event refused: %s", e)
-            # keep_last deleted these files: stop listing them for download or resume.
-            pruned = c.get("pruned")
-            if isinstance(pruned, list):
-                mark_deleted(session, self.job_id, [p for p in pruned if isinstance(p, str)])
+            self._write_checkpoint(session, c)
         if self.progress is not None and self.attempt_number is not None:
-            session.execute(
-                update(Job)
-                .where(Job.id == self.job_id, Job.attempt == self.attempt_number)
-                .values(progress=self.progress)
-                .execution_options(synchronize_session=False)
-            )
+            # The UPDATE bumps the job's version (its ETag) with the progress it writes.
+            set_progress(session, self.job_id, self.attempt_number, self.progress)
+        elif self.metrics or self.checkpoints:
+            bump_version(session, self.job_id)  # no job column written: a 304 must not hide them
         if self.offset is not None:
             set_events_offset(session, self.attempt_id, self.offset)
 

@@ -5,7 +5,6 @@ found without importing torch."""
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
 import re
@@ -15,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from torchyard.store.paths import try_lock
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
 MAX_CPU_SLOTS = 1024
@@ -57,14 +58,7 @@ def valid_id(worker_id: str) -> bool:
 
 
 def _lock(lock_dir: Path, worker_id: str) -> IO[str] | None:
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    f = open(lock_dir / f"{worker_id}.lock", "a+")  # noqa: SIM115 (held for the process life)
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return None
-    return f
+    return try_lock(lock_dir / f"{worker_id}.lock")
 
 
 def claim_id(lock_dir: Path, *, name: str | None, gpu: int | None) -> tuple[str, IO[str]]:

@@ -6,6 +6,9 @@ forked pool child at all, (b) the trainer is started from a thread that lives as
 the worker, which is what the parent-death signal follows, and (c) Celery's warm
 shutdown on SIGTERM lets the running task finish: the task sees `stopping`, has the
 trainer checkpoint and exit, hands the job back, and only then does the worker exit.
+
+The slot's warm trainer (worker/standby.py, unless TORCHYARD_WARM_TRAINER=false) is
+started on that same main thread: before the consumer starts, and again after each job.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import threading
 import time
 from typing import IO, Any
 
-from torchyard.store.broker import (
+from torchyard.broker.app import (
     REGISTER_TASK,
     RUN_TASK,
     make_celery,
@@ -37,6 +40,8 @@ from torchyard.store.workers import (
     stop_accepting,
 )
 from torchyard.worker.identity import Device
+from torchyard.worker.proc import slot_env
+from torchyard.worker.standby import WarmTrainer
 from torchyard.worker.supervisor import WorkerContext, run_assignment
 from torchyard.worker.watchdog import Watchdog
 
@@ -63,6 +68,10 @@ class WorkerNode:
         self._stop_marked = False
         self.watchdog = Watchdog(self.ctx)
         self.ctx.extra_env = self.watchdog.lease_env()
+        if settings.warm_trainer:
+            self.ctx.warm = WarmTrainer(
+                lambda: slot_env(settings, device.cuda_visible, self.ctx.extra_env)
+            )
         self.app = make_celery(settings)
         self._asked_register_at = -REREGISTER_EVERY_S
 
@@ -154,6 +163,8 @@ class WorkerNode:
         try:
             started = run_assignment(self.ctx, aid)
         finally:
+            if self.ctx.warm is not None and not self.ctx.stopping.is_set():
+                self.ctx.warm.refill()  # the trainer is gone: its cores are free for the import
             if started:
                 try:
                     with session_scope(self.settings.db_url) as s:
@@ -169,6 +180,8 @@ class WorkerNode:
     def run(self) -> int:
         from celery import signals
 
+        if self.ctx.warm is not None:
+            self.ctx.warm.refill()  # here, on the main thread the tasks run on
         self.register()
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
@@ -184,6 +197,8 @@ class WorkerNode:
             w.start()
         finally:
             self.ctx.stopping.set()
+            if self.ctx.warm is not None:
+                self.ctx.warm.close()
             self._hb_stop.set()
             hb.join(timeout=5)
             self.watchdog.stop()

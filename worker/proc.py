@@ -1,11 +1,11 @@
 """Starting and stopping the trainer process: argv lists (never a shell), its environment
 (GPU pin, data root), its own process group, and a parent-death signal so it never
-outlives the worker."""
+outlives the worker; the go message a warm trainer (worker/standby.py) gets instead of an
+argv."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -14,14 +14,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from torchyard.store.settings import Settings
+from torchyard.trainer.parent import die_with_parent
+
 # Secrets the trainer has no use for stay in the worker.
 _SCRUB = ("TORCHYARD_DATABASE_URL", "TORCHYARD_BROKER_URL")
-
-try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-except OSError:  # not Linux/glibc: process group kill still applies
-    _libc = None
 
 
 @dataclass(frozen=True)
@@ -38,7 +35,14 @@ class Launch:
 
 
 def trainer_argv(launch: Launch) -> list[str]:
-    tail = ["-m", "torchyard.trainer", "--spec", str(launch.spec_path), "--run-dir", str(launch.run_dir)]
+    tail = [
+        "-m",
+        "torchyard.trainer",
+        "--spec",
+        str(launch.spec_path),
+        "--run-dir",
+        str(launch.run_dir),
+    ]
     if launch.resume is not None:
         tail += ["--resume", str(launch.resume)]
     if launch.world_size == 1:
@@ -57,6 +61,39 @@ def trainer_argv(launch: Launch) -> list[str]:
         "--max-restarts=0",  # retries are the scheduler's, from the latest checkpoint
         *tail,
     ]
+
+
+def standby_argv() -> list[str]:
+    """A warm trainer: imports torch, then reads its job as one JSON line on stdin."""
+    return [sys.executable, "-m", "torchyard.trainer", "--standby"]
+
+
+def go_message(launch: Launch, env: dict[str, str], log_path: Path) -> dict[str, object]:
+    """What a warm trainer is told instead of trainer_argv (one rank only): the same
+    arguments, its whole environment, and the job log it appends its output to."""
+    assert launch.world_size == 1
+    return {
+        "spec": str(launch.spec_path.absolute()),
+        "run_dir": str(launch.run_dir.absolute()),
+        "resume": None if launch.resume is None else str(launch.resume.absolute()),
+        "env": env,
+        "log": str(log_path.absolute()),
+    }
+
+
+def slot_env(
+    settings: Settings, cuda_visible: str, extra: dict[str, str], attempt: int | None = None
+) -> dict[str, str]:
+    """The trainer's environment on this worker's slot; `attempt` is the only per-job part."""
+    env = trainer_env(
+        data_root=settings.data,
+        cuda_visible=cuda_visible,
+        threads=settings.trainer_threads,
+        attempt=attempt,
+        collective_timeout_s=settings.collective_timeout_s,
+    )
+    env.update(extra)
+    return env
 
 
 def trainer_env(
@@ -89,24 +126,24 @@ def trainer_env(
 def _die_with_parent(parent_pid: int) -> None:
     """Runs in the child between fork and exec: SIGKILL when the worker's thread that
     started it dies, and bail out if the worker is already gone."""
-    if _libc is not None:
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    die_with_parent(signal.SIGKILL)  # off Linux: the process group kill still applies
     if os.getppid() != parent_pid:
         os._exit(1)
 
 
 def spawn(
-    argv: list[str], *, env: dict[str, str], cwd: Path, log_fd: int
+    argv: list[str], *, env: dict[str, str], cwd: Path, log_fd: int, stdin: int = subprocess.DEVNULL
 ) -> subprocess.Popen[bytes]:
     """Start the trainer in its own session (so a signal reaches it and its children), its
     stdout and stderr appended straight to the job log (no copying through the worker).
-    Call from the worker's main thread: the parent-death signal follows the calling thread."""
+    A fresh interpreter (fork+exec, nothing of the threaded worker carried over). Call from
+    the worker's main thread: the parent-death signal follows the calling thread."""
     parent = os.getpid()
     return subprocess.Popen(
         argv,
         env=env,
         cwd=str(cwd),
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         stdout=log_fd,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import exc, select
+import tenacity
+from sqlalchemy import exc
 
 from torchyard.store.attempts import (
     A_CANCELLED,
@@ -38,11 +39,13 @@ from torchyard.store.attempts import (
     A_HANDED_BACK,
     A_LOST,
     ATTEMPT_ACTIVE,
+    Claimed,
     attempt_hosts,
-    claim_assignment,
+    claim_rank,
     end_assignment,
     finish_attempt,
     ingest_start,
+    job_and_attempt_state,
     latest_resume_checkpoint,
     mark_launched,
     read_endpoint,
@@ -50,7 +53,6 @@ from torchyard.store.attempts import (
 )
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced
-from torchyard.store.models import Attempt, Job
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, SPEC_FILE, job_dir
 from torchyard.store.settings import Settings
 from torchyard.store.states import CANCELLING
@@ -67,7 +69,16 @@ from torchyard.worker.outcome import (
     describe_exit,
     oom_kills,
 )
-from torchyard.worker.proc import Launch, free_port, signal_group, spawn, trainer_argv, trainer_env
+from torchyard.worker.proc import (
+    Launch,
+    free_port,
+    go_message,
+    signal_group,
+    slot_env,
+    spawn,
+    trainer_argv,
+)
+from torchyard.worker.standby import WarmTrainer
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +88,7 @@ FLUSH_S = 0.5
 FLUSH_EVENTS = 500
 STOP_GRACE_MIN_S = 30.0  # a stopping worker gives its trainer this long to checkpoint
 PEER_DECIDES_S = 5.0  # a failed non-zero rank lets rank 0 (which has the events) decide first
-RETRY_MAX_WAIT_S = 5.0
+RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S = 0.2, 5.0
 # What a store outage raises. Anything else is a bug: it propagates (the worker releases
 # itself and the reaper ends the attempt it no longer supervises) rather than retrying forever.
 TRANSIENT = (exc.OperationalError, exc.InterfaceError, exc.TimeoutError, OSError)
@@ -107,21 +118,11 @@ class WorkerContext:
     store_lost_stop: threading.Event = field(default_factory=threading.Event)
     # added to the trainer's environment (the watchdog's lease)
     extra_env: dict[str, str] = field(default_factory=dict)
+    # this slot's warm trainer, taken by a one-rank launch (None: every trainer starts cold)
+    warm: WarmTrainer | None = None
 
     def store_ok(self) -> None:
         self.store_ok_at = time.monotonic()
-
-
-@dataclass(frozen=True)
-class Claimed:
-    assignment_id: int
-    attempt_id: int
-    attempt_number: int
-    job_id: str
-    rank: int
-    world_size: int
-    spec: dict[str, Any]
-    cancelling: bool
 
 
 def retry_until(
@@ -134,36 +135,32 @@ def retry_until(
     they succeed, however long the outage. `Fenced` is an answer, not a fault, and other
     errors are bugs: both are raised at once. `give_up` ends the wait early by re-raising
     the last error."""
-    wait = 0.2
-    while True:
-        try:
-            return fn()
-        except TRANSIENT as e:
-            if give_up():
-                raise
-            log.warning("%s failed (%s); retrying in %.1fs", what, e, wait)
-            time.sleep(wait)
-            wait = min(RETRY_MAX_WAIT_S, wait * 2)
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(TRANSIENT),
+        wait=tenacity.wait_exponential(multiplier=RETRY_FIRST_WAIT_S, max=RETRY_MAX_WAIT_S),
+        stop=lambda _: give_up(),
+        reraise=True,
+        before_sleep=lambda rs: log.warning(
+            "%s failed (%s); retrying in %.1fs",
+            what,
+            rs.outcome.exception() if rs.outcome else None,
+            rs.next_action.sleep if rs.next_action else 0.0,
+        ),
+    )(fn)
 
 
 def claim(ctx: WorkerContext, assignment_id: int) -> Claimed | None:
     with session_scope(ctx.settings.db_url) as s:
-        a = claim_assignment(s, assignment_id, ctx.worker_id)
-        if a is None:
-            return None
-        attempt = s.get(Attempt, a.attempt_id)
-        job = s.get(Job, a.job_id)
-        assert attempt is not None and job is not None
-        return Claimed(
-            assignment_id=a.id,
-            attempt_id=attempt.id,
-            attempt_number=attempt.number,
-            job_id=job.id,
-            rank=a.rank,
-            world_size=attempt.world_size,
-            spec=dict(job.spec),
-            cancelling=job.state == CANCELLING or job.cancel_requested,
-        )
+        return claim_rank(s, assignment_id, ctx.worker_id)
+
+
+class Prepared(NamedTuple):
+    """What the launch needs, found before it."""
+
+    spec_path: Path
+    resume: Path | None  # the checkpoint to resume from
+    master: tuple[str, int] | None  # rank 0's rendezvous (host, port); None for one rank
+    events_start: int  # where this attempt's own lines begin in events.jsonl
 
 
 class Supervision:
@@ -263,13 +260,12 @@ class Supervision:
         except OSError as e:
             log.warning("job %s: could not write to the job log (%s)", self.c.job_id, e)
 
-    def launch(
-        self, master: tuple[str, int] | None, spec_path: Path, resume: Path | None, start: int
-    ) -> None:
+    def launch(self, p: Prepared) -> None:
+        master, start = p.master, p.events_start
         launch = Launch(
-            spec_path=spec_path,
+            spec_path=p.spec_path,
             run_dir=self.run_dir,
-            resume=resume,
+            resume=p.resume,
             world_size=self.c.world_size,
             rank=self.c.rank,
             master_addr=master[0] if master else None,
@@ -281,14 +277,12 @@ class Supervision:
             f"===== torchyard: attempt {self.c.attempt_number}, rank {self.c.rank}/"
             f"{self.c.world_size}, worker {self.ctx.worker_id}, {now}, {how} =====\n"
         )
-        env = trainer_env(
-            data_root=self.ctx.settings.data,
-            cuda_visible=self.ctx.device.cuda_visible,
-            threads=self.ctx.settings.trainer_threads,
-            attempt=self.c.attempt_number,
-            collective_timeout_s=self.ctx.settings.collective_timeout_s,
+        env = slot_env(
+            self.ctx.settings,
+            self.ctx.device.cuda_visible,
+            self.ctx.extra_env,
+            self.c.attempt_number,
         )
-        env.update(self.ctx.extra_env)
         self.tail = EventTail(self.events_path, start)
         self.recorder.offset = start
         if self.c.rank != 0:
@@ -296,12 +290,8 @@ class Supervision:
                 self.rank_events_start = self.rank_events.stat().st_size
             except FileNotFoundError:
                 self.rank_events_start = 0
-        fd = os.open(self.run_dir / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            self.oom_before = oom_kills()
-            self.proc = spawn(trainer_argv(launch), env=env, cwd=self.run_dir, log_fd=fd)
-        finally:
-            os.close(fd)
+        self.oom_before = oom_kills()
+        self.proc = self._start(launch, env)
         self.ctx.trainer = self.proc
         if self.ctx.on_launch is not None:
             self.ctx.on_launch(self.proc.pid)
@@ -320,6 +310,20 @@ class Supervision:
             self.c.rank,
             pid,
         )
+
+    def _start(self, launch: Launch, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The slot's warm trainer for one rank when there is a live one, else a cold start."""
+        log_path = self.run_dir / LOG_FILE
+        # Opened here either way: a log that cannot be opened fails the launch, as always.
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if self.ctx.warm is not None and launch.world_size == 1:
+                proc = self.ctx.warm.hand_over(go_message(launch, env, log_path))
+                if proc is not None:
+                    return proc
+            return spawn(trainer_argv(launch), env=env, cwd=self.run_dir, log_fd=fd)
+        finally:
+            os.close(fd)
 
     # ---- supervision --------------------------------------------------------------------
 
@@ -343,15 +347,7 @@ class Supervision:
             self._stop("attempt ended elsewhere", signal.SIGKILL, None)
 
     def _poll_store(self) -> tuple[str | None, str | None]:
-        def q(s: Any) -> tuple[str | None, str | None]:
-            row = s.execute(
-                select(Job.state, Attempt.state)
-                .join(Attempt, Attempt.job_id == Job.id)
-                .where(Attempt.id == self.c.attempt_id)
-            ).first()
-            return (row[0], row[1]) if row else (None, None)
-
-        return self._tx(q)
+        return self._tx(lambda s: job_and_attempt_state(s, self.c.attempt_id))
 
     def _stop(self, why: str, sig: int, grace_s: float | None) -> float | None:
         assert self.proc is not None
@@ -504,7 +500,7 @@ class Supervision:
             )
         return state
 
-    def _prepare(self) -> tuple[Path, Path | None, tuple[str, int] | None, int] | Decision:
+    def _prepare(self) -> Prepared | Decision:
         """Everything before the launch; a Decision when the attempt ends here."""
         spec_path = self._write_spec()
         start = self._ingest_backlog() if self.c.rank == 0 else 0
@@ -520,7 +516,7 @@ class Supervision:
             return Decision(
                 A_LOST, f"rendezvous: rank 0's endpoint not published within {t:g}s", None, True
             )
-        return spec_path, resume, master, start
+        return Prepared(spec_path, resume, master, start)
 
     def _launch_failed(self, e: Exception) -> Decision:
         if isinstance(e, BadEndpoint):  # the worker's setting, not the job: counted, retried
@@ -541,8 +537,7 @@ class Supervision:
             if isinstance(prepared, Decision):
                 self.finish(None, prepared)
                 return
-            spec_path, resume, master, start = prepared
-            self.launch(master, spec_path, resume, start)
+            self.launch(prepared)
         except Fenced:
             self.finish(None, None)
             return

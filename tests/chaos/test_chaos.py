@@ -79,7 +79,14 @@ def _reference(key: str, out: Path) -> Path:
     (out / "spec.json").write_text(json.dumps(SPECS[key]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHYARD_", "GLOO_"))}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    tail = ["-m", "torchyard.trainer", "--spec", str(out / "spec.json"), "--run-dir", str(out / "run")]
+    tail = [
+        "-m",
+        "torchyard.trainer",
+        "--spec",
+        str(out / "spec.json"),
+        "--run-dir",
+        str(out / "run"),
+    ]
     ws = SPECS[key].get("world_size", 1)
     launcher = [] if ws == 1 else ["-m", "torch.distributed.run", "--standalone",
                                    f"--nproc-per-node={ws}"]  # fmt: skip

@@ -207,7 +207,7 @@ def test_big_gang_waits_without_blocking_a_small_job(cluster: Cluster) -> None:
 
 
 def test_a_duplicated_task_message_starts_one_trainer(cluster: Cluster) -> None:
-    from torchyard.store.broker import RUN_TASK, make_celery, worker_queue
+    from torchyard.broker.app import RUN_TASK, make_celery, worker_queue
     from torchyard.store.models import Assignment
 
     c = cluster

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
+import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from worker_factories import make_job, make_worker
 
-from torchyard.store.models import Attempt, Checkpoint, Job, Metric
-from torchyard.store.scheduling import schedule
+from torchyard.scheduler.cycle import schedule
+from torchyard.store.models import Attempt, Checkpoint, Job, Metric, MetricBlock
+from torchyard.trainer.eventmodel import event_dict
 from torchyard.worker.events import EventRecorder, EventTail
 
 
@@ -28,15 +31,35 @@ def test_tail_reads_only_complete_lines_from_the_offset(tmp_path: Path) -> None:
         f.write(_line(type="started", time=2.0))
         f.write(b"not json\n")
         f.write(b'{"type": "metric", "time": 3.0, "step": 2, "na')
-    assert [e["type"] for e in tail.read()] == ["started"]  # malformed skipped, partial kept
+    assert [e.type for e in tail.read()] == ["started"]  # malformed skipped, partial kept
     with p.open("ab") as f:
         f.write(b'me": "train/loss", "value": 1.5}\n{"type": "finished", "time": 4')
     evs = tail.read()
-    assert [(e["type"], e.get("value")) for e in evs] == [("metric", 1.5)]
+    assert [(e.type, getattr(e, "value", None)) for e in evs] == [("metric", 1.5)]
     with p.open("ab") as f:
         f.write(b".0}")  # the trainer died before the newline
-    assert [e["type"] for e in tail.read(final=True)] == ["finished"]
+    assert [e.type for e in tail.read(final=True)] == ["finished"]
     tail.close()
+
+
+def test_tail_skips_and_logs_lines_that_are_not_events(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = tmp_path / "events.jsonl"
+    bad = [
+        _line(type="metric", time=1.0, step="2", name="l", value=1.0),  # a string step
+        _line(type="metric", time=1.0, step=2, name="l", value=True),  # a bool is no number
+        _line(type="launched", time=1.0),  # no such event type
+        _line(time=1.0, step=2),  # no type
+        b"[1, 2]\n",
+    ]
+    good = _line(type="metric", time=1.0, step=3, name="l", value=2, future_field={"x": 1})
+    p.write_bytes(b"".join(bad) + good)
+    with caplog.at_level(logging.WARNING, logger="torchyard.worker.events"):
+        evs = EventTail(p).read()
+    assert len([r for r in caplog.records if "malformed event" in r.message]) == len(bad)
+    # a newer trainer's extra field is kept; 2 stays 2 (the model does not rewrite values)
+    assert [event_dict(e) for e in evs] == [json.loads(good)]
 
 
 def test_tail_waits_for_a_file_that_does_not_exist_yet(tmp_path: Path) -> None:
@@ -47,14 +70,19 @@ def test_tail_waits_for_a_file_that_does_not_exist_yet(tmp_path: Path) -> None:
     assert len(tail.read()) == 1
 
 
-def test_recorder_batches_are_idempotent_and_start_the_job(session: Session) -> None:
-    s = session
+def _placed_job(s: Session) -> tuple[Job, EventRecorder]:
+    """A job the scheduler placed on worker w1, and a recorder of its first attempt."""
     make_worker(s, "w1")
     job = make_job(s)
     schedule(s, heartbeat_timeout_s=10)
     s.commit()
     attempt = s.scalars(select(Attempt).where(Attempt.job_id == job.id)).one()
-    rec = EventRecorder(job.id, attempt.id, attempt.number)
+    return job, EventRecorder(job.id, attempt.id, attempt.number)
+
+
+def test_recorder_batches_are_idempotent_and_start_the_job(session: Session) -> None:
+    s = session
+    job, rec = _placed_job(s)
     events = [
         {"type": "started", "time": 1.0, "step": 0},
         *[
@@ -88,4 +116,43 @@ def test_recorder_batches_are_idempotent_and_start_the_job(session: Session) -> 
     }
     assert s.scalar(select(func.count()).select_from(Metric)) == 5  # the NaN was dropped
     assert [c.path for c in s.scalars(select(Checkpoint))] == ["checkpoints/a.pt"]
-    assert s.get(Attempt, attempt.id).state == "running"  # type: ignore[union-attr]
+    assert s.get(Attempt, rec.attempt_id).state == "running"  # type: ignore[union-attr]
+
+
+def _counts(s: Session) -> tuple[int, int, list[tuple]]:
+    s.expire_all()
+    blocks = s.execute(
+        select(MetricBlock.name, MetricBlock.level, MetricBlock.block, MetricBlock.n)
+    ).all()
+    return (
+        s.scalar(select(func.count()).select_from(Metric)) or 0,
+        s.scalar(select(Attempt.events_offset)) or 0,
+        sorted(tuple(b) for b in blocks),
+    )
+
+
+def test_a_flush_commits_points_and_offset_together_and_a_resent_batch_adds_nothing(
+    session: Session,
+) -> None:
+    s = session
+    _, rec = _placed_job(s)
+    for i in range(300):
+        for name in ("train/loss", "train/lr", "train/samples_per_s"):
+            rec.add({"type": "metric", "time": 1.0, "step": i, "epoch": 1, "name": name,
+                     "value": float(i)})  # fmt: skip
+    rec.offset = 12_345
+    rec.write(s)
+    s.rollback()  # the worker died before the commit: neither the points nor the offset
+    assert _counts(s) == (0, 0, [])
+    rec.write(s)
+    s.commit()
+    done = _counts(s)
+    assert done[:2] == (900, 12_345)
+    # 300 steps: blocks 0..4 of 64 steps and block 0 of 4096, for each of the three series
+    assert [b for b in done[2] if b[0] == "train/lr"] == [
+        ("train/lr", 64, 0, 64), ("train/lr", 64, 1, 64), ("train/lr", 64, 2, 64),
+        ("train/lr", 64, 3, 64), ("train/lr", 64, 4, 44), ("train/lr", 4096, 0, 300),
+    ]  # fmt: skip
+    rec.write(s)  # the same batch again (the offset's commit was not seen): nothing changes
+    s.commit()
+    assert _counts(s) == done

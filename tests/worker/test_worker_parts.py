@@ -41,7 +41,10 @@ def test_trainer_argv_is_a_list_and_ddp_uses_torchrun(tmp_path: Path) -> None:
     one = trainer_argv(
         Launch(spec_path=tmp_path / "s.json", run_dir=tmp_path, resume=tmp_path / "c.pt")
     )
-    assert one[1:3] == ["-m", "torchyard.trainer"] and one[-2:] == ["--resume", str(tmp_path / "c.pt")]
+    assert one[1:3] == ["-m", "torchyard.trainer"] and one[-2:] == [
+        "--resume",
+        str(tmp_path / "c.pt"),
+    ]
     ddp = trainer_argv(
         Launch(
             spec_path=tmp_path / "s.json",

@@ -1,0 +1,113 @@
+"""The worker's warm trainer: one `python -m torchyard.trainer --standby` per worker slot,
+started ahead of its job (pinned like a trainer, torch imported, nothing else initialised),
+so a one-rank job's first step does not wait for the interpreter and `import torch`.
+
+A job takes it (`hand_over`): the worker writes the go message (worker/proc.py go_message)
+and closes its stdin, and from then on it is that job's trainer process, exactly as a cold
+one. The worker starts the next one (`refill`) when that job's trainer has exited, not
+beside it, so the import never competes with a running job for its cores. A standby that
+died idle (OOM, killed), or was started under another environment, is discarded and the
+job starts cold. Every start is from the worker's main thread (the parent-death signal
+follows the thread that spawned), with a fresh interpreter: never a fork of the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from torchyard.worker.proc import signal_group, spawn, standby_argv
+
+log = logging.getLogger(__name__)
+
+# What may differ between the environment a standby was started with and its job's: the
+# rest (threads, pin, data root) is read at import or start, so it must already be right.
+PER_JOB_ENV = frozenset({"TORCHYARD_ATTEMPT"})
+CLOSE_WAIT_S = 5.0  # a standby told to stop (EOF) exits at once, or as soon as imports end
+
+
+class WarmTrainer:
+    """This slot's one standby trainer. Not thread-safe: the worker's main thread only."""
+
+    def __init__(self, env: Callable[[], dict[str, str]], cwd: Path | None = None):
+        self._env_for = env  # the slot's trainer environment, without the per-job part
+        self._cwd = cwd or Path.cwd()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._env: dict[str, str] = {}
+
+    def refill(self) -> None:
+        """Start a standby if there is no live one. Failure only costs the next job the cold
+        start, so it is logged, not raised."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                return
+            log.warning(
+                "warm trainer %d exited idle (%s); replacing it",
+                self.proc.pid,
+                self.proc.returncode,
+            )
+            self.proc = None
+        env = self._env_for()
+        try:
+            # Its output goes to the worker's stderr until it takes a job's log.
+            self.proc = spawn(
+                standby_argv(), env=env, cwd=self._cwd, log_fd=2, stdin=subprocess.PIPE
+            )
+        except OSError as e:
+            log.warning("could not start a warm trainer (%s); jobs start cold", e)
+            return
+        self._env = env
+        log.info("warm trainer %d started", self.proc.pid)
+
+    def hand_over(self, go: dict[str, object]) -> subprocess.Popen[bytes] | None:
+        """The standby, now running the job `go` describes; None when there is none ready
+        (the caller starts the trainer cold). The standby is this job's from here on."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is not None:
+            log.warning("warm trainer %d had exited (%s); cold start", proc.pid, proc.returncode)
+            return None
+        if _base(self._env) != _base(go["env"]):  # type: ignore[arg-type]
+            log.info("warm trainer %d was started for another environment; cold start", proc.pid)
+            _kill(proc)
+            return None
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(go).encode() + b"\n")
+            proc.stdin.close()
+        except OSError as e:  # it died between the poll and the write
+            log.warning("warm trainer %d did not take its job (%s); cold start", proc.pid, e)
+            _kill(proc)
+            return None
+        return proc
+
+    def close(self) -> None:
+        """The worker is stopping: end of input makes the standby exit 0; reap it."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+
+
+def _base(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in PER_JOB_ENV}
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    signal_group(proc, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        if proc.stdin is not None:
+            proc.stdin.close()
+    proc.wait()
