@@ -17,8 +17,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from torchyard.api import errors
 from torchyard.api.deps import TokenCache
+from torchyard.api.fanout import FeedHub
 from torchyard.api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
-from torchyard.api.routers import checkpoints, health, job_data, jobs, workers
+from torchyard.api.routers import checkpoints, health, job_data, job_events, jobs, workers
 from torchyard.store.db import make_engine
 from torchyard.store.inventory import job_counts, worker_counts
 from torchyard.store.settings import Settings, get_settings
@@ -99,6 +100,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
     yield
+    await app.state.feed_hub.close()
     # Close the pooled connections now, not whenever the engines are collected: a stopped
     # API (or a test's app) must leave no idle PostgreSQL sessions behind.
     for factory in (app.state.sessions, app.state.read_sessions):
@@ -119,12 +121,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessions, app.state.read_sessions = _sessions(settings)
     app.state.token_cache = TokenCache()
     app.state.feed_poll_s = FEED_POLL_S
+    # One store poller per followed job for all its SSE followers (read lazily: tests swap
+    # the read sessions).
+    app.state.feed_hub = FeedHub(lambda: app.state.read_sessions)
     registry = CollectorRegistry()
     registry.register(_StoreCollector(app))
     app.state.prometheus = registry
 
     errors.install(app)
-    for module in (jobs, job_data, checkpoints, workers, health):
+    for module in (jobs, job_data, job_events, checkpoints, workers, health):
         app.include_router(module.router)
     # Each add_middleware wraps the ones before it, so the last added runs first: requests
     # are counted (shed 503s and 413s included: an operator must see them), then the size

@@ -18,6 +18,7 @@ from torchyard.client.sdk import (
     TERMINAL_STATES,
     Client,
     Download,
+    Event,
     load_spec,
     resolve_config,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "Conflict",
     "ConnectError",
     "Download",
+    "Event",
     "InvalidSpec",
     "NotFound",
     "SpecFileError",

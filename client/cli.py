@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import sys
 import time
@@ -19,20 +20,35 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import httpx
+from rich.console import Group, RenderableType
 
 from torchyard.client import render
-from torchyard.client.errors import APIError, ConnectError, NotFound, TorchyardError
+from torchyard.client.errors import (
+    APIError,
+    ConnectError,
+    NotFound,
+    TorchyardError,
+    Unavailable,
+)
 from torchyard.client.sdk import TERMINAL_STATES, Client, Download, load_spec
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _FULL_ID = re.compile(r"^[0-9a-f]{32}$")
 # How long --follow keeps retrying while the API is unreachable (e.g. `up` restarting).
 RECONNECT_FOR_S = 180.0
+# A table longer than this is downsampled by the server: rich lays a table out cell by cell
+# (about 2 ms a row), and nobody reads ten thousand rows on a terminal (--csv has them all).
+TABLE_MAX_ROWS = 1000
 
 
-def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | None = None) -> int:
-    """Run one client command; `transport` replaces the network (tests pass
-    httpx.MockTransport)."""
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    transport: httpx.BaseTransport | None = None,
+    http: httpx.Client | None = None,
+) -> int:
+    """Run one client command. `http` (an httpx.Client, e.g. a TestClient of the app) or
+    `transport` replaces the network."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -40,7 +56,9 @@ def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | 
     except SystemExit as e:  # argparse already printed its one-line complaint and usage
         return EXIT_OK if e.code in (0, None) else EXIT_USAGE
     try:
-        with Client(args.url, args.token, timeout=args.timeout, transport=transport) as client:
+        with Client(
+            args.url, args.token, timeout=args.timeout, transport=transport, http=http
+        ) as client:
             return int(args.run(client, args) or EXIT_OK)
     except TorchyardError as e:
         _err(str(e) if not isinstance(e, APIError) else e.one_line())
@@ -50,6 +68,10 @@ def main(argv: Sequence[str] | None = None, *, transport: httpx.BaseTransport | 
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `torchyard metrics … | head`
         return EXIT_OK
+
+
+_JOB_HELP = "job id (or a unique prefix)"
+_INTERVAL_HELP = "--follow: at most one refresh of the job's progress per this many seconds"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,17 +91,34 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(run=fn)
         return sp
 
+    _add_job_commands(cmd)
+    _add_metrics_command(
+        cmd("metrics", cmd_metrics, "show a job's metrics as a table, CSV or a plot")
+    )
+    sp = cmd("download", cmd_download, "download a checkpoint, resumable, sha256-verified")
+    sp.add_argument("job", help=_JOB_HELP)
+    sp.add_argument(
+        "-c", "--checkpoint", default="latest", help="checkpoint id or `latest` (default)"
+    )
+    sp.add_argument("-o", "--output", help="file or directory to write (default: ./<job>-step<N>)")
+    sp = cmd("workers", cmd_workers, "list workers: host, GPU, state, current job, heartbeat")
+    sp.add_argument("--json", action="store_true", help="print the workers as JSON")
+    return p
+
+
+def _add_job_commands(cmd: Callable[..., Any]) -> None:
+    """submit, status, list, cancel and logs."""
     sp = cmd("submit", cmd_submit, "submit a job spec (JSON or YAML); prints the job id")
     sp.add_argument("spec", help="path to the spec file (.json, .yaml or .yml)")
     sp.add_argument("-f", "--follow", action="store_true", help="show progress until it ends")
     sp.add_argument("--idempotency-key", help="retrying with the same key returns the same job")
-    sp.add_argument("--interval", type=float, default=0.5, help="--follow: seconds between polls")
+    sp.add_argument("--interval", type=float, default=0.5, help=_INTERVAL_HELP)
     sp.add_argument("--json", action="store_true", help="print the created job as JSON")
 
     sp = cmd("status", cmd_status, "show a job: state, progress, latest metrics, attempts")
-    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("job", help=_JOB_HELP)
     sp.add_argument("-f", "--follow", action="store_true", help="show progress until it ends")
-    sp.add_argument("--interval", type=float, default=0.5, help="--follow: seconds between polls")
+    sp.add_argument("--interval", type=float, default=0.5, help=_INTERVAL_HELP)
     sp.add_argument("--json", action="store_true", help="print the job as JSON")
 
     sp = cmd("list", cmd_list, "list jobs, newest first")
@@ -88,15 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print the jobs as JSON")
 
     sp = cmd("cancel", cmd_cancel, "cancel a job (idempotent)")
-    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("job", help=_JOB_HELP)
 
     sp = cmd("logs", cmd_logs, "print a job's output (the trainer's stdout and stderr)")
-    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("job", help=_JOB_HELP)
     sp.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
     sp.add_argument("--offset", type=int, default=0, help="start at this byte")
 
-    sp = cmd("metrics", cmd_metrics, "show a job's metrics as a table, CSV or a plot")
-    sp.add_argument("job", help="job id (or a unique prefix)")
+
+def _add_metrics_command(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("job", help=_JOB_HELP)
     sp.add_argument(
         "--name", action="append", help="only this series (repeatable), e.g. --name val/loss"
     )
@@ -107,17 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--log", action="store_true", help="--plot with a logarithmic y axis")
     sp.add_argument("--width", type=int, default=72, help="--plot width in characters")
     sp.add_argument("--height", type=int, default=18, help="--plot height in lines")
-
-    sp = cmd("download", cmd_download, "download a checkpoint, resumable, sha256-verified")
-    sp.add_argument("job", help="job id (or a unique prefix)")
-    sp.add_argument(
-        "-c", "--checkpoint", default="latest", help="checkpoint id or `latest` (default)"
-    )
-    sp.add_argument("-o", "--output", help="file or directory to write (default: ./<job>-step<N>)")
-
-    sp = cmd("workers", cmd_workers, "list workers: host, GPU, state, current job, heartbeat")
-    sp.add_argument("--json", action="store_true", help="print the workers as JSON")
-    return p
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -143,7 +172,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(job)
     else:
-        print(describe_job(job))
+        _print(describe_job(job))
     return EXIT_OK
 
 
@@ -170,7 +199,7 @@ def cmd_list(client: Client, args: argparse.Namespace) -> int:
         )
         for j in jobs
     ]
-    print(render.table(["ID", "NAME", "STATE", "ATTEMPT", "PROGRESS", "CREATED"], rows))
+    _print(render.table(["ID", "NAME", "STATE", "ATTEMPT", "PROGRESS", "CREATED"], rows))
     return EXIT_OK
 
 
@@ -216,31 +245,27 @@ def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
     elif args.plot:
         names = args.name or [n for n in series if "loss" in n] or list(series)
         data = {n: (series[n]["steps"], series[n]["values"]) for n in names if n in series}
-        print(
-            render.plot(
-                data,
-                width=args.width,
-                height=args.height,
-                unicode=render.can_unicode(sys.stdout),
-                log_y=args.log,
-            )
-        )
+        color = render.colour(render.console(sys.stdout))
+        print(render.plot(data, width=args.width, height=args.height, color=color, log_y=args.log))
     else:
         names, rows = wide_rows(series)
-        print(render.table(["step", *names], rows))
+        if len(rows) > TABLE_MAX_ROWS and max_points is None:
+            series = client.metrics(job_id, name=args.name, max_points=TABLE_MAX_ROWS)
+            names, rows = wide_rows(series)
+            print(
+                f"note: {TABLE_MAX_ROWS} rows at most in a table: each row is the last point "
+                "of its span of steps; --csv gives every point",
+                file=sys.stderr,
+            )
+        _print(render.table(["step", *names], rows))
     return EXIT_OK
 
 
 def cmd_download(client: Client, args: argparse.Namespace) -> int:
     job_id = resolve_job_id(client, args.job)
-    live = render.Live(sys.stderr, plain_every_s=2.0)
-    rate = _Rate()
-
-    def progress(done: int, total: int | None) -> None:
-        live.update(render.transfer_line(done, total, rate(done), live.unicode))
-
-    dl = client.download(job_id, args.checkpoint, args.output, on_progress=progress)
-    live.done(render.transfer_line(dl.bytes, dl.bytes, rate(dl.bytes), live.unicode))
+    transfer = render.Transfer(sys.stderr)
+    dl = client.download(job_id, args.checkpoint, args.output, on_progress=transfer)
+    transfer.done(dl.bytes)
     print(describe_download(dl))
     return EXIT_OK
 
@@ -265,76 +290,109 @@ def cmd_workers(client: Client, args: argparse.Namespace) -> int:
         )
         for w in workers
     ]
-    print(render.table(["ID", "HOST", "PID", "GPU", "STATE", "JOB", "HEARTBEAT"], rows))
+    _print(render.table(["ID", "HOST", "PID", "GPU", "STATE", "JOB", "HEARTBEAT"], rows))
     return EXIT_OK
 
 
 # -- following a job ----------------------------------------------------------------------------
 
 
-class _Rate:
-    """Bytes or samples per second over a sliding few seconds."""
-
-    def __init__(self, window_s: float = 3.0) -> None:
-        self.window_s = window_s
-        self.points: list[tuple[float, float]] = []
-
-    def __call__(self, value: float) -> float | None:
-        now = time.monotonic()
-        self.points.append((now, value))
-        while len(self.points) > 2 and now - self.points[0][0] > self.window_s:
-            self.points.pop(0)
-        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
-        return (v1 - v0) / (t1 - t0) if t1 > t0 else None
-
-
 def follow_job(
     client: Client, job_id: str, *, interval_s: float = 0.5, stream: TextIO | None = None
 ) -> int:
-    """Draw the job's progress and latest metrics until it ends. Survives the API going away
-    for a while (an `up` restart). Exit 0 if it succeeded, 1 if it failed or was cancelled."""
-    live = render.Live(stream or sys.stderr)
-    latest: dict[str, tuple[int, float]] = {}
-    max_step = -1
-    said: tuple[Any, ...] = ()
-    lost_since: float | None = None
-    connected = False
+    """Draw the job's progress and latest metrics from its event stream until it ends.
+    Survives the API going away for a while (an `up` restart): the stream resumes where it
+    broke. Exit 0 if it succeeded, 1 if it failed or was cancelled."""
+    status = render.Status(stream or sys.stderr)
     try:
-        while True:
-            try:
-                job = client.job(job_id)
-                new = client.metrics(job_id, after_step=max_step - 1 if max_step >= 0 else None)
-                lost_since, connected = None, True
-            except ConnectError as e:
-                # Retry only a server that answered before (it may be restarting); a wrong
-                # URL fails at once.
-                lost_since = lost_since or time.monotonic()
-                if not connected or time.monotonic() - lost_since > RECONNECT_FOR_S:
-                    raise
-                live.update(f"API unreachable, retrying… ({str(e).split(';')[0]})")
-                time.sleep(2.0)
-                continue
-            for name, s in new.items():
-                for step, value in zip(s.get("steps", []), s.get("values", []), strict=False):
-                    if name not in latest or step >= latest[name][0]:
-                        latest[name] = (int(step), value)
-                    max_step = max(max_step, int(step))
-            state = job.get("state")
-            if state in TERMINAL_STATES:
-                live.done(progress_line(job, latest, live.unicode) if latest else None)
-                live.message(summary_line(job, latest))
-                return EXIT_OK if state == "succeeded" else EXIT_FAIL
-            now_said = (state, job.get("attempt"), job.get("pending_reason"))
-            if now_said != said:
-                live.message(_state_line(job))
-                said = now_said
-            if state in ("running", "cancelling"):
-                live.update(progress_line(job, latest, live.unicode))
-            time.sleep(interval_s)
+        return _Follower(client, job_id, status, interval_s).run()
     except KeyboardInterrupt:
-        live.done()
+        status.done()
         _err(f"stopped following; the job goes on (torchyard status {job_id})")
         return EXIT_INTERRUPTED
+
+
+class _Follower:
+    """--follow, fed by GET /v1/jobs/{id}/events: state lines as the job moves, a live
+    progress line from the metric events. The job itself (progress totals, ETA, pending
+    reason) is read on each state change and at most once per `refresh_s` while metrics
+    flow, never polled on a timer."""
+
+    def __init__(self, client: Client, job_id: str, status: render.Status, refresh_s: float):
+        self.client, self.job_id, self.status, self.refresh_s = client, job_id, status, refresh_s
+        self.job: dict = {}
+        self.state: str | None = None
+        self.latest: dict[str, tuple[int, float]] = {}
+        self.step: int | None = None
+        self.epoch: Any = None
+        self.said: tuple[Any, ...] = ()
+        self.refreshed_at = -math.inf
+
+    def run(self) -> int:
+        self.refresh()
+        events = self.client.stream_events(
+            self.job_id, reconnect_for_s=RECONNECT_FOR_S, on_retry=self.lost
+        )
+        for ev in events:
+            if ev.event == "state":
+                self.on_state(ev.data)
+            elif ev.event == "metric":
+                self.on_metric(ev.data)
+            elif ev.event == "end":
+                self.state = ev.data.get("state") or self.state
+        self.refresh(strict=False)
+        self.status.done(progress_line(self.shown(), self.latest) if self.latest else None)
+        self.status.message(summary_line(self.shown(), self.latest))
+        return EXIT_OK if self.state == "succeeded" else EXIT_FAIL
+
+    def refresh(self, *, strict: bool = True) -> None:
+        """Read the job. Only the first read must succeed (a wrong URL or id fails at once);
+        later, an API that is away keeps the last copy while the stream reconnects."""
+        try:
+            self.job = self.client.job(self.job_id)
+        except (ConnectError, Unavailable):
+            if strict:
+                raise
+        self.refreshed_at = time.monotonic()
+
+    def on_state(self, data: dict) -> None:
+        self.state = data.get("state")
+        self.refresh(strict=False)
+        shown = {**self.job, "state": self.state}
+        shown["attempt"] = data.get("attempt") or self.job.get("attempt")
+        if self.job.get("state") != self.state:  # an old event, replayed: no current reason
+            shown["pending_reason"] = None
+        now_said = (self.state, shown["attempt"])
+        if now_said != self.said:
+            self.status.message(_state_line(shown))
+            self.said = now_said
+        self.draw()
+
+    def on_metric(self, data: dict) -> None:
+        name, step, value = data.get("name"), int(data.get("step", 0)), data.get("value")
+        if name and (name not in self.latest or step >= self.latest[name][0]):
+            self.latest[name] = (step, value)
+        if self.step is None or step >= self.step:
+            self.step, self.epoch = step, data.get("epoch", self.epoch)
+        if time.monotonic() - self.refreshed_at >= self.refresh_s:
+            self.refresh(strict=False)
+        self.draw()
+
+    def lost(self, e: TorchyardError) -> None:
+        self.status.update(f"API unreachable, retrying… ({str(e).split(';')[0]})")
+
+    def shown(self) -> dict:
+        """The job as last read, its progress moved on by the metric events since."""
+        progress = dict(self.job.get("progress") or {})
+        if self.step is not None and self.step >= (progress.get("step") or 0):
+            progress["step"] = self.step
+            if self.epoch is not None:
+                progress["epoch"] = self.epoch
+        return {**self.job, "state": self.state or self.job.get("state"), "progress": progress}
+
+    def draw(self) -> None:
+        if self.state in ("running", "cancelling"):
+            self.status.update(progress_line(self.shown(), self.latest))
 
 
 def _state_line(job: dict) -> str:
@@ -350,26 +408,26 @@ def _state_line(job: dict) -> str:
 SHOWN_METRICS = ("train/loss", "val/loss", "val/accuracy")
 
 
-def progress_line(job: dict, latest: dict[str, tuple[int, float]], unicode: bool) -> str:
+def progress_line(job: dict, latest: dict[str, tuple[int, float]]) -> RenderableType:
     p = job.get("progress") or {}
     spec = job.get("spec") or {}
     step, total = p.get("step"), p.get("total_steps")
-    frac = step / total if step is not None and total else None
-    parts = []
+    parts: list[RenderableType] = []
     if p.get("epoch") is not None:
         epochs = spec.get("epochs")
         parts.append(f"epoch {_num(p['epoch'])}" + (f"/{epochs}" if epochs else ""))
-    parts.append(render.bar(frac, 24, unicode))
+    parts.append(render.bar(step, total))
     if step is not None:
         parts.append(f"{step}/{total if total else '?'}")
     if p.get("samples_per_s"):
         parts.append(f"{p['samples_per_s']:,.0f} samples/s")
-    if job.get("state") not in TERMINAL_STATES and (frac is None or frac < 1):
+    done = step is not None and bool(total) and step >= total
+    if job.get("state") not in TERMINAL_STATES and not done:
         parts.append(f"ETA {render.human_duration(p.get('eta_s'))}")
     for name in SHOWN_METRICS:
         if name in latest:
             parts.append(f"{name} {render.fmt_value(latest[name][1])}")
-    return "  ".join(parts)
+    return render.line(parts)
 
 
 def summary_line(job: dict, latest: dict[str, tuple[int, float]]) -> str:
@@ -391,7 +449,7 @@ def summary_line(job: dict, latest: dict[str, tuple[int, float]]) -> str:
 # -- descriptions ---------------------------------------------------------------------------------
 
 
-def describe_job(job: dict) -> str:
+def describe_job(job: dict) -> RenderableType:
     rows: list[tuple[str, str]] = [
         ("id", str(job.get("id"))),
         ("name", str(job.get("name"))),
@@ -409,10 +467,9 @@ def describe_job(job: dict) -> str:
     lm = job.get("latest_metrics") or {}
     if lm:
         rows.append(("metrics", ", ".join(f"{n} {_metric_value(v)}" for n, v in lm.items())))
-    width = max(len(k) for k, _ in rows)
-    text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     attempts = job.get("attempts") or []
-    if attempts:
+    if not attempts:
+        return render.fields(rows)
         table_rows = [
             (
                 a.get("number", i + 1),
@@ -425,10 +482,8 @@ def describe_job(job: dict) -> str:
             )
             for i, a in enumerate(attempts)
         ]
-        text += "\n\nattempts:\n" + render.table(
-            ["#", "STATE", "WORKERS", "STARTED", "ENDED", "EXIT", "REASON"], table_rows
-        )
-    return text
+    headers = ["#", "STATE", "WORKERS", "STARTED", "ENDED", "EXIT", "REASON"]
+    return Group(render.fields(rows), "", "attempts:", render.table(headers, table_rows))
 
 
 def describe_download(dl: Download) -> str:
@@ -546,6 +601,10 @@ def _age(value: Any) -> str:
 def _duration(start: Any, end: Any) -> str | None:
     a, b = _parse_time(start), _parse_time(end)
     return render.human_duration((b - a).total_seconds()) if a and b else None
+
+
+def _print(renderable: RenderableType) -> None:
+    render.show(renderable, sys.stdout)
 
 
 def _print_json(obj: Any) -> None:

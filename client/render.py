@@ -1,18 +1,68 @@
-"""Terminal output with no dependencies: sizes and durations, tables, progress bars that
-redraw in place on a TTY and fall back to plain lines elsewhere, and a loss plot."""
+"""Terminal output: sizes and durations in words, tables and live status lines (rich), and the
+loss plot (plotext). On a terminal rich draws in colour and redraws in place; piped or under
+NO_COLOR it writes plain text (no ANSI codes), the live line as a line every few seconds."""
 
 from __future__ import annotations
 
+import io
 import math
-import sys
 import time
 from collections.abc import Sequence
 from typing import TextIO
 
+import plotext
+from rich.cells import cell_len
+from rich.console import Console, RenderableType
+from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.progress_bar import ProgressBar
+from rich.table import Table
 
-def can_unicode(stream: TextIO) -> bool:
-    enc = (getattr(stream, "encoding", None) or "ascii").lower().replace("-", "")
-    return enc in ("utf8", "utf16", "utf32")
+# Piped output is read by programs and people with wide windows: never wrap or crop it.
+PIPE_WIDTH = 1000
+BAR_WIDTH = 24
+# One marker per series: the plot must read without colour too.
+_MARKERS = "*o+x#@"
+
+
+def console(stream: TextIO) -> Console:
+    """A rich console on `stream`: colour and redraws only on a terminal; NO_COLOR obeyed
+    (by rich). Text is never read as markup, so a `[` in a job name prints as it is."""
+    out = Console(file=stream, markup=False, highlight=False, emoji=False)
+    if not out.is_terminal:
+        out.width = PIPE_WIDTH
+    return out
+
+
+def colour(out: Console) -> bool:
+    """Whether to colour what we draw ourselves (the plot): a terminal, and no NO_COLOR."""
+    return out.is_terminal and out.color_system is not None and not out.no_color
+
+
+def to_text(renderable: RenderableType, width: int = PIPE_WIDTH) -> str:
+    """What `renderable` prints on a plain (piped) stream, as a string, without the
+    trailing blanks rich pads cells with."""
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None, markup=False, highlight=False).print(
+        renderable
+    )
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+
+
+def show(renderable: RenderableType, stream: TextIO) -> None:
+    """Print a table or a group: styled on a terminal, plain text elsewhere."""
+    out = console(stream)
+    if out.is_terminal:
+        out.print(renderable)
+    else:
+        stream.write(to_text(renderable) + "\n")
 
 
 def human_bytes(n: float | None) -> str:
@@ -55,33 +105,46 @@ def fmt_value(v: float | None) -> str:
     return f"{v:.3e}"
 
 
-def bar(fraction: float | None, width: int, unicode: bool) -> str:
-    full, empty = ("█", "░") if unicode else ("#", "-")
-    if fraction is None:
-        return empty * width
-    n = max(0, min(width, round(fraction * width)))
-    return full * n + empty * (width - n)
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Table:
+    """Borderless columns two spaces apart, bold headers; numeric columns right-aligned."""
+    t = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 1))
+    for i, h in enumerate(headers):
+        values = [r[i] for r in rows if r[i] is not None]
+        numeric = bool(values) and all(_is_num(v) for v in values)
+        t.add_column(h, justify="right" if numeric else "left", no_wrap=True)
+    for r in rows:
+        t.add_row(*(_cell(c) for c in r))
+    return t
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Left-aligned text columns, numbers right-aligned."""
-    cells = [[_cell(c) for c in r] for r in rows]
-    widths = [len(h) for h in headers]
-    for r in cells:
-        for i, c in enumerate(r):
-            widths[i] = max(widths[i], len(c))
-    numeric = [
-        all(_is_num(r[i]) for r in rows if r[i] is not None) and any(r[i] is not None for r in rows)
-        for i in range(len(headers))
-    ]
+def fields(rows: Sequence[tuple[str, str]]) -> Table:
+    """`key  value` lines, the keys aligned."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
 
-    def line(values: Sequence[str]) -> str:
-        out = [
-            v.rjust(widths[i]) if numeric[i] else v.ljust(widths[i]) for i, v in enumerate(values)
-        ]
-        return "  ".join(out).rstrip()
 
-    return "\n".join([line(headers), *(line(r) for r in cells)])
+def line(parts: Sequence[RenderableType]) -> Table:
+    """Text and bars on one line, two spaces apart. On a narrow terminal the bars shrink;
+    the text never is cut."""
+    t = Table.grid(padding=(0, 2))
+    for part in parts:
+        if isinstance(part, str):
+            t.add_column(no_wrap=True, min_width=cell_len(part))
+        else:
+            t.add_column(min_width=6, max_width=BAR_WIDTH)
+    t.add_row(*parts)
+    return t
+
+
+def bar(completed: float | None, total: float | None) -> RenderableType:
+    """A progress bar; blank while the total is unknown (a pulse would look like motion)."""
+    if completed is None or not total:
+        return " " * BAR_WIDTH
+    return ProgressBar(total=total, completed=min(completed, total))
 
 
 def _is_num(v: object) -> bool:
@@ -96,67 +159,77 @@ def _cell(v: object) -> str:
     return str(v)
 
 
-class Live:
-    """One status line: redrawn in place on a TTY (throttled), printed as plain lines at most
-    every `plain_every_s` elsewhere (logs, CI, pipes)."""
+class Status:
+    """One live status line on `stream`, with messages printed above it. On a terminal a
+    rich Live redraws it in place; elsewhere (logs, CI, pipes) it is printed as a plain line
+    at most every `plain_every_s`, and once more at the end if it changed."""
 
-    def __init__(
-        self, stream: TextIO | None = None, *, plain_every_s: float = 5.0, min_redraw_s: float = 0.1
-    ) -> None:
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.unicode = can_unicode(self.stream)
+    def __init__(self, stream: TextIO, *, plain_every_s: float = 5.0) -> None:
+        self.console = console(stream)
         self.plain_every_s = plain_every_s
-        self.min_redraw_s = min_redraw_s
-        self._last_draw = 0.0
-        self._last_plain = ""
-        self._width = 0
+        self._live: Live | None = None
+        self._last_plain: str | None = None
+        self._last_plain_at = -math.inf
 
-    def update(self, text: str, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.tty:
-            if not force and now - self._last_draw < self.min_redraw_s:
-                return
-            pad = max(0, self._width - len(text))
-            self.stream.write("\r" + text + " " * pad)
-            self._width = len(text)
-        else:
-            if text == self._last_plain:
-                return
-            if not force and now - self._last_draw < self.plain_every_s:
-                return
-            self.stream.write(text + "\n")
-            self._last_plain = text
-        self._last_draw = now
-        self.stream.flush()
+    def update(self, line: RenderableType) -> None:
+        if self.console.is_terminal:
+            if self._live is None:
+                self._live = Live(line, console=self.console, refresh_per_second=8, transient=False)
+                self._live.start()
+            else:
+                self._live.update(line)
+            return
+        if time.monotonic() - self._last_plain_at >= self.plain_every_s:
+            self._print_plain(line)
 
     def message(self, text: str) -> None:
-        """A line of its own above the status line."""
-        if self.tty and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self._width = 0
-        self.stream.write(text + "\n")
-        self.stream.flush()
-        self._last_draw = 0.0
+        """A line of its own, above the status line."""
+        self.console.print(text, soft_wrap=True)
 
-    def done(self, text: str | None = None) -> None:
-        if text is not None:
-            self.update(text, force=True)
-        if self.tty and self._width:
-            self.stream.write("\n")
-            self._width = 0
-        self.stream.flush()
+    def done(self, line: RenderableType | None = None) -> None:
+        """Draw `line` one last time and leave it on screen."""
+        if self._live is not None:
+            if line is not None:
+                self._live.update(line)
+            self._live.stop()
+            self._live = None
+        elif line is not None and self.console.is_terminal:
+            self.console.print(line)
+        elif line is not None:
+            self._print_plain(line)
+
+    def _print_plain(self, line: RenderableType) -> None:
+        text = to_text(line, self.console.width)
+        if text != self._last_plain:
+            self.console.print(text, soft_wrap=True)
+            self._last_plain = text
+        self._last_plain_at = time.monotonic()
 
 
-def transfer_line(done: int, total: int | None, rate: float | None, unicode: bool) -> str:
-    frac = done / total if total else None
-    pct = f"{frac * 100:5.1f}%" if frac is not None else "     "
-    eta = (total - done) / rate if total and rate else None
-    speed = f"{human_bytes(rate)}/s" if rate else "-"
-    return (
-        f"{bar(frac, 30, unicode)} {pct}  {human_bytes(done)} / {human_bytes(total)}  "
-        f"{speed}  ETA {human_duration(eta)}"
-    )
+class Transfer:
+    """A download's progress: bar, percent, bytes, speed and time left (rich.progress), drawn
+    through a Status. Call it as `on_progress(done, total)`."""
+
+    def __init__(self, stream: TextIO, *, plain_every_s: float = 2.0) -> None:
+        self.status = Status(stream, plain_every_s=plain_every_s)
+        self.progress = Progress(
+            BarColumn(bar_width=30),
+            TaskProgressColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.status.console,
+            auto_refresh=False,  # drawn by the Status, never started on its own
+        )
+        self.task = self.progress.add_task("download", total=None)
+
+    def __call__(self, done: int, total: int | None) -> None:
+        self.progress.update(self.task, completed=done, total=total)
+        self.status.update(self.progress.get_renderable())
+
+    def done(self, size: int) -> None:
+        self.progress.update(self.task, completed=size, total=size)
+        self.status.done(self.progress.get_renderable())
 
 
 def plot(
@@ -164,68 +237,40 @@ def plot(
     *,
     width: int = 72,
     height: int = 18,
-    unicode: bool = True,
+    color: bool = False,
     log_y: bool = False,
 ) -> str:
-    """A line plot of several (steps, values) series in text. Each column shows, per series,
-    the range of values whose steps fall into it, so spikes stay visible."""
-    markers = "●○◆◇▲△" if unicode else "*o+x#@"
-    pts = {
-        n: [(float(x), float(y)) for x, y in zip(xs, ys, strict=False) if _plottable(y, log_y)]
-        for n, (xs, ys) in series.items()
-    }
-    pts = {n: p for n, p in pts.items() if p}
+    """Line plot of several (steps, values) series as text (plotext): one marker per series
+    (and one colour, when `color`), a `step` axis, and the legend on the last line."""
+    pts = {n: _plottable(xs, ys, log_y) for n, (xs, ys) in series.items()}
+    pts = {n: p for n, p in pts.items() if p[0]}
     if not pts:
         return "(no data to plot)"
-    tf = (lambda v: math.log10(v)) if log_y else (lambda v: v)
-    xs = [x for p in pts.values() for x, _ in p]
-    ys = [tf(y) for p in pts.values() for _, y in p]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if y1 == y0:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    if x1 == x0:
-        x1 = x0 + 1
-    grid = [[" "] * width for _ in range(height)]
-
-    def col(x: float) -> int:
-        return min(width - 1, int((x - x0) / (x1 - x0) * (width - 1) + 0.5))
-
-    def row(y: float) -> int:
-        return min(height - 1, int((y1 - tf(y)) / (y1 - y0) * (height - 1) + 0.5))
-
-    for i, p in enumerate(pts.values()):
-        mark = markers[i % len(markers)]
-        by_col: dict[int, list[int]] = {}
-        for x, y in p:
-            by_col.setdefault(col(x), []).append(row(y))
-        prev_col, prev_row = -10, 0
-        for c in sorted(by_col):
-            rows = by_col[c]
-            lo, hi = min(rows), max(rows)
-            # Join to the previous column with a vertical stroke, so a steep drop reads as a line.
-            if c - prev_col <= 2:
-                lo = min(lo, prev_row + 1)
-                hi = max(hi, prev_row - 1)
-            for r in range(lo, hi + 1):
-                grid[r][c] = mark
-            prev_col, prev_row = c, rows[-1]
-
-    def ylabel(r: int) -> str:
-        v = y1 - (y1 - y0) * r / (height - 1)
-        return fmt_value(10**v if log_y else v)
-
-    labels = {0: ylabel(0), height // 2: ylabel(height // 2), height - 1: ylabel(height - 1)}
-    lw = max(len(s) for s in labels.values())
-    vert, corner, horiz = ("│", "└", "─") if unicode else ("|", "+", "-")
-    lines = [f"{labels.get(r, ''):>{lw}} {vert}{''.join(grid[r])}".rstrip() for r in range(height)]
-    lines.append(" " * lw + " " + corner + horiz * width)
-    left, right = f"step {int(x0)}", f"{int(x1)}"
-    lines.append(" " * (lw + 2) + left + right.rjust(width - len(left)))
-    legend = "   ".join(f"{markers[i % len(markers)]} {n}" for i, n in enumerate(pts))
-    lines.append(" " * (lw + 2) + legend + ("   (log scale)" if log_y else ""))
-    return "\n".join(lines)
+    fig = plotext.figure  # module-global: clear what an earlier call left
+    fig.clear.data()
+    fig.clear.settings()
+    fig.plot_size(width, height)
+    fig.theme("simple" if color else "colorless")  # simple: no painted background
+    for i, (name, (xs, ys)) in enumerate(pts.items()):
+        sig = fig.signal(xs, ys, marker=_MARKERS[i % len(_MARKERS)])
+        sig.label(name)
+        sig.lines()
+        fig.draw(sig)
+    if log_y:
+        fig.ruler(axis=1).scale("log")
+    fig.legend(False)  # a box inside the canvas would hide the curves: listed below instead
+    fig.label("step", axis=0)
+    legend = "   ".join(f"{_MARKERS[i % len(_MARKERS)]} {n}" for i, n in enumerate(pts))
+    legend += "   (log scale)" if log_y else ""
+    return fig.build().string(colorless=not color).rstrip() + "\n" + legend
 
 
-def _plottable(y: float, log_y: bool) -> bool:
-    return y is not None and math.isfinite(y) and (y > 0 or not log_y)
+def _plottable(
+    xs: Sequence[float], ys: Sequence[float], log_y: bool
+) -> tuple[list[float], list[float]]:
+    keep = [
+        (float(x), float(y))
+        for x, y in zip(xs, ys, strict=False)
+        if y is not None and math.isfinite(y) and (y > 0 or not log_y)
+    ]
+    return [x for x, _ in keep], [y for _, y in keep]

@@ -8,8 +8,9 @@
         print(job["state"], ty.metrics(job["id"], name="val/accuracy"))
         ty.download(job["id"], path="digits.safetensors")
 
-Every failure raises a subclass of `client.errors.TorchyardError`. Tests pass
-`transport=httpx.MockTransport(handler)` to run the SDK without a server.
+Every failure raises a subclass of `client.errors.TorchyardError`. `http=` takes an
+`httpx.Client` to talk through (tests pass a `fastapi.testclient.TestClient` of the real app),
+`transport=` an httpx transport. Live events come from the SSE route through httpx-sse.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+from httpx_sse import SSEError, connect_sse
 
-from torchyard.client.errors import ChecksumError, ConnectError, SpecFileError, error_for
+from torchyard.client.errors import (
+    ChecksumError,
+    ConnectError,
+    SpecFileError,
+    TorchyardError,
+    Unavailable,
+    error_for,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 _CHUNK = 1 << 20
+# The server sends a keep-alive comment every 15 s: a stream silent for longer is dead.
+_SSE_READ_TIMEOUT_S = 60.0
 
 ProgressFn = Callable[[int, int | None], None]
 
@@ -87,6 +98,16 @@ def _kind(p: Path) -> str:
 
 
 @dataclass(frozen=True)
+class Event:
+    """One server-sent event of a job: `state`, `metric`, `checkpoint` or `end`, its data
+    (JSON-decoded when it can be) and its id (the resume point for `Last-Event-ID`)."""
+
+    event: str
+    data: Any
+    id: str
+
+
+@dataclass(frozen=True)
 class Download:
     """A finished, verified download."""
 
@@ -119,17 +140,30 @@ class Client:
         *,
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        http: httpx.Client | None = None,
     ) -> None:
+        """`http`: an httpx.Client to send through, kept open by `close()` (its owner closes
+        it); its base URL is used unless `url` is given. `transport`: for a client of our own."""
         self.url, self.token = resolve_config(url, token)
+        self.timeout = timeout
         headers = {"Accept": "application/json", "User-Agent": "torchyard-client"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout, transport=transport
-        )
+        self._owns_http = http is None
+        if http is None:
+            http = httpx.Client(
+                base_url=self.url, headers=headers, timeout=timeout, transport=transport
+            )
+        else:
+            http.headers.update(headers)
+            if url:
+                http.base_url = httpx.URL(self.url)
+            self.url = str(http.base_url).rstrip("/")
+        self._http = http
 
     def close(self) -> None:
-        self._http.close()
+        if self._owns_http:
+            self._http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -142,22 +176,13 @@ class Client:
     def _send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         try:
             resp = self._http.send(request, stream=stream)
-        except httpx.TimeoutException:
-            raise ConnectError(f"the torchyard API at {self.url} did not answer in time") from None
         except httpx.TransportError as e:
-            raise ConnectError(
-                f"cannot reach the torchyard API at {self.url} ({_reason(e)}); "
-                "is `torchyard up` running, and is TORCHYARD_URL right?"
-            ) from None
+            raise _unreachable(self.url, e) from None
         if resp.status_code >= 400:
             if stream:
                 resp.read()
                 resp.close()
-            try:
-                body = resp.json()
-            except ValueError:
-                body = None
-            raise error_for(resp.status_code, body, str(request.url))
+            raise _error_of(resp)
         return resp
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -266,20 +291,77 @@ class Client:
             if not chunk.get("data"):
                 time.sleep(poll_s)
 
-    def events(self, job_id: str) -> Iterator[tuple[str, Any]]:
-        """Server-sent events of one job as (event, data) pairs; data is JSON-decoded when it
-        can be. Ends when the server closes the stream."""
-        req = self._http.build_request(
-            "GET",
-            f"/v1/jobs/{_seg(job_id)}/events",
-            headers={"Accept": "text/event-stream"},
-            timeout=httpx.Timeout(30.0, read=None),
-        )
-        resp = self._send(req, stream=True)
+    def events(self, job_id: str, *, last_event_id: str | None = None) -> Iterator[tuple[str, Any]]:
+        """Server-sent events of one job as (event, data) pairs over one connection, after
+        `last_event_id` if given. Ends when the server closes the stream."""
+        for ev in self._sse(job_id, last_event_id):
+            yield ev.event, ev.data
+
+    def stream_events(
+        self,
+        job_id: str,
+        *,
+        last_event_id: str | None = None,
+        reconnect_for_s: float = 180.0,
+        on_retry: Callable[[TorchyardError], None] | None = None,
+    ) -> Iterator[Event]:
+        """Every event of the job until its `end` event (the last one yielded). A dropped
+        connection (or a 503) is reopened with `Last-Event-ID`, so nothing is lost or seen
+        twice, for up to `reconnect_for_s` of failures in a row; a stream that never opened
+        fails at once (a wrong URL is not retried). `on_retry` hears each failure."""
+        last, lost_since, opened = last_event_id, None, False
+
+        def on_open() -> None:
+            nonlocal opened, lost_since
+            opened, lost_since = True, None
+
+        while True:
+            try:
+                for ev in self._sse(job_id, last, on_open):
+                    last = ev.id or last
+                    yield ev
+                    if ev.event == "end":
+                        return
+                error: TorchyardError = ConnectError("the event stream closed before its end")
+            except (ConnectError, Unavailable) as e:
+                error = e
+            lost_since = lost_since or time.monotonic()
+            if not opened or time.monotonic() - lost_since > reconnect_for_s:
+                raise error
+            if on_retry:
+                on_retry(error)
+            delay = self.reconnect_delay_s
+            time.sleep(self._server_retry_s if delay is None else delay)
+
+    reconnect_delay_s: float | None = None
+    """Seconds between reconnects of `stream_events`; None: the server's `retry:`."""
+    _server_retry_s = 2.0
+
+    def _sse(
+        self, job_id: str, last_event_id: str | None, on_open: Callable[[], None] | None = None
+    ) -> Iterator[Event]:
+        """One connection to the job's event stream (httpx-sse); keep-alives and `retry:`
+        lines are consumed here."""
+        headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+        timeout = httpx.Timeout(self.timeout, read=_SSE_READ_TIMEOUT_S)
+        url = f"/v1/jobs/{_seg(job_id)}/events"
         try:
-            yield from _parse_sse(resp.iter_lines())
-        finally:
-            resp.close()
+            with connect_sse(self._http, "GET", url, headers=headers, timeout=timeout) as src:
+                if src.response.status_code >= 400:
+                    src.response.read()
+                    raise _error_of(src.response)
+                if on_open:
+                    on_open()
+                for sse in src.iter_sse():
+                    if sse.retry is not None:
+                        self._server_retry_s = sse.retry / 1000
+                    if sse.event == "message" and not sse.data:
+                        continue  # only a `retry:` line
+                    yield Event(sse.event, _decode(sse.data), sse.id)
+        except httpx.TransportError as e:
+            raise _unreachable(self.url, e) from None
+        except SSEError as e:
+            raise ConnectError(f"{self.url} did not answer with an event stream ({e})") from None
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -444,6 +526,15 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
+def _unreachable(url: str, e: httpx.TransportError) -> ConnectError:
+    if isinstance(e, httpx.TimeoutException):
+        return ConnectError(f"the torchyard API at {url} did not answer in time")
+    return ConnectError(
+        f"cannot reach the torchyard API at {url} ({_reason(e)}); "
+        "is `torchyard up` running, and is TORCHYARD_URL right?"
+    )
+
+
 def _reason(e: Exception) -> str:
     text = str(e) or type(e).__name__
     if "Connection refused" in text or "Errno 111" in text:
@@ -451,23 +542,16 @@ def _reason(e: Exception) -> str:
     return text.splitlines()[0][:200]
 
 
-def _parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
-    event, data = "message", []
-    for line in lines:
-        if not line:
-            if data:
-                text = "\n".join(data)
-                try:
-                    yield event, json.loads(text)
-                except ValueError:
-                    yield event, text
-            event, data = "message", []
-        elif line.startswith(":"):
-            continue
-        else:
-            field, _, value = line.partition(":")
-            value = value.removeprefix(" ")
-            if field == "event":
-                event = value
-            elif field == "data":
-                data.append(value)
+def _decode(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data
+
+
+def _error_of(resp: httpx.Response) -> Exception:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    return error_for(resp.status_code, body, str(resp.request.url))

@@ -10,10 +10,22 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("torchyard.up", "main", "start the API, the scheduler and N workers in one command"),
     "api": ("torchyard.api.cli", "main", "serve the REST API"),
-    "scheduler": ("torchyard.worker.cli", "scheduler_main", "run the scheduler (control queue consumer)"),
-    "worker": ("torchyard.worker.cli", "worker_main", "run one worker pinned to a GPU (or --device cpu)"),
+    "scheduler": (
+        "torchyard.worker.cli",
+        "scheduler_main",
+        "run the scheduler (control queue consumer)",
+    ),
+    "worker": (
+        "torchyard.worker.cli",
+        "worker_main",
+        "run one worker pinned to a GPU (or --device cpu)",
+    ),
     "db": ("torchyard.store.cli", "db_main", "database administration: `db upgrade`"),
-    "token": ("torchyard.store.cli", "token_main", "API tokens: `token create --user NAME [--admin]`"),
+    "token": (
+        "torchyard.store.cli",
+        "token_main",
+        "API tokens: `token create --user NAME [--admin]`",
+    ),
     "submit": ("torchyard.client.cli", "main", "submit a job spec (JSON or YAML)"),
     "status": ("torchyard.client.cli", "main", "show a job"),
     "list": ("torchyard.client.cli", "main", "list jobs"),

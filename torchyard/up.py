@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import fcntl
 import os
 import shutil
 import signal
@@ -29,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from torchyard.trainer.parent import die_with_parent
 
 READY_TIMEOUT_S = 90.0
 # A worker gets this long after SIGTERM to checkpoint its trainer and hand the job back.
@@ -122,9 +122,7 @@ def _die_with_parent(parent_pid: int) -> Any:
     (and shut down cleanly) instead of living on as orphans."""
 
     def preexec() -> None:
-        with contextlib.suppress(Exception):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        die_with_parent(signal.SIGTERM)
         if os.getppid() != parent_pid:  # `up` died before the prctl took effect
             os._exit(0)
 
@@ -155,15 +153,14 @@ class Up:
             lock.close()
 
     def _lock(self, home: Path) -> IO[str]:
-        f = (home / "up.lock").open("a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
+        from torchyard.store.paths import try_lock
+
+        f = try_lock(home / "up.lock")
+        if f is None:
             raise UpError(
                 f"another `torchyard up` is already running on {home} (stop it, or set "
                 "TORCHYARD_HOME to another directory)"
-            ) from None
+            )
         return f
 
     def _serve(self, settings: Any, home: Path) -> int:

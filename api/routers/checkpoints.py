@@ -89,6 +89,8 @@ def download_checkpoint(
     session: ReadSessionDep,
     settings: SettingsDep,
     kind: Annotated[Literal["resume", "weights"], Query()] = "resume",
+    # Range and If-Range are read by the FileResponse itself; declared for the schema and
+    # their length limits.
     range_: Annotated[str | None, Header(alias="Range", max_length=200)] = None,
     if_range: Annotated[str | None, Header(alias="If-Range", max_length=200)] = None,
     if_none_match: Annotated[str | None, Header(alias="If-None-Match", max_length=1000)] = None,
@@ -118,8 +120,6 @@ def download_checkpoint(
             path,
             etag=f'"{row.sha256}"',
             filename=name,
-            range_header=range_,
-            if_range=if_range,
             if_none_match=if_none_match,
         )
     except (FileNotFoundError, NotADirectoryError):

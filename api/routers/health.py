@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from torchyard.api.deps import CurrentUser
 from torchyard.api.errors import error_response, responses
 from torchyard.api.schemas import Health, Readiness
-from torchyard.store import broker
+from torchyard.broker import app as broker
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])

@@ -6,20 +6,29 @@ import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
+from torchyard.api.deps import (
+    CurrentUser,
+    Principal,
+    ReadSessionDep,
+    SessionDep,
+    SettingsDep,
+    read_engine,
+)
 from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.schemas import JobList, JobOut
-from torchyard.api.views import job_from_snapshot, job_out, job_summary
-from torchyard.store import broker
+from torchyard.api.views import etag, etag_matches, job_out, job_summary
+from torchyard.broker import app as broker
 from torchyard.store.jobs import (
     BadCursor,
     IdempotencyConflict,
     create_job,
     get_job,
     job_snapshot,
+    job_version,
     list_jobs,
     request_cancel,
 )
@@ -74,7 +83,15 @@ def _store_job(
     with factory() as session:
         job, created = create_job(session, user.id, spec, name=name, idempotency_key=key)
         session.commit()
-        return job_out(session, job, user.name), created
+        return _snapshot_out(session, user, job.id), created
+
+
+def _snapshot_out(session: Session, user: Principal, job_id: str) -> JobOut:
+    """The body of a job the caller has just written (and so may see)."""
+    row = job_snapshot(session, user.viewer, job_id)
+    if row is None:  # deleted in between: the caller gets the same answer as a GET
+        raise not_found()
+    return job_out(row)
 
 
 @router.post(
@@ -172,26 +189,61 @@ def list_jobs_route(
     return JobList(items=[job_summary(j, owner) for j, owner in page], next_cursor=next_cursor)
 
 
+CONDITIONAL = {
+    "headers": {
+        "ETag": {"description": "strong; send it back as If-None-Match to poll cheaply"},
+        "Cache-Control": {"description": "no-cache: revalidate every time"},
+    }
+}
+
+
 @router.get(
     "/{job_id}",
     response_model=JobOut,
     summary="Show a job",
     description="State, attempt, progress, pending reason, error, timestamps, "
-    "the newest point of every metric, and every attempt.",
-    responses=responses(401, 404, 503),
+    "the newest point of every metric, and every attempt. Answers with an `ETag`; with "
+    "`If-None-Match` naming it, an unchanged job is 304 with no body (one cheap read).",
+    responses={
+        200: CONDITIONAL,
+        304: {"description": "not modified since the ETag in If-None-Match", **CONDITIONAL},
+        **responses(401, 404, 503),
+    },
 )
-async def get_job_route(job_id: str, request: Request, user: CurrentUser) -> Response:
-    # The hot read path: one statement in one worker-thread hop, serialised once.
-    snapshot = await run_in_threadpool(_snapshot, request.app.state.read_sessions, user, job_id)
-    if snapshot is None:
+async def get_job_route(
+    job_id: str,
+    request: Request,
+    user: CurrentUser,
+    if_none_match: Annotated[str | None, Header(max_length=1000)] = None,
+) -> Response:
+    # The hot read path: one statement (two for a changed conditional poll) in one
+    # worker-thread hop, serialised once.
+    found = await run_in_threadpool(_show, read_engine(request), user, job_id, if_none_match)
+    if found is None:
         raise not_found()
-    return Response(snapshot.model_dump_json(), media_type="application/json")
+    tag, body = found
+    headers = {"ETag": tag, "Cache-Control": "no-cache"}
+    if body is None:
+        return Response(status_code=304, headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
 
 
-def _snapshot(factory: sessionmaker[Session], user: Principal, job_id: str) -> JobOut | None:
-    with factory() as session:
-        row = job_snapshot(session, user.viewer, job_id)
-    return job_from_snapshot(row) if row is not None else None
+def _show(
+    engine: Engine, user: Principal, job_id: str, if_none_match: str | None
+) -> tuple[str, bytes | None] | None:
+    """(ETag, JSON body, or None when If-None-Match still holds); None: not visible."""
+    with engine.connect() as conn:
+        if if_none_match is not None:
+            version = job_version(conn, user.viewer, job_id)
+            if version is None:
+                return None
+            tag = etag(job_id, version)
+            if etag_matches(if_none_match, tag):
+                return tag, None
+        row = job_snapshot(conn, user.viewer, job_id)
+    if row is None:
+        return None
+    return etag(job_id, row["version"]), job_out(row).model_dump_json().encode()
 
 
 @router.post(
@@ -214,10 +266,10 @@ def cancel_job(
     found = get_job(session, user.viewer, job_id)
     if found is None:
         raise not_found()
-    job, owner = found
+    job = found[0]
     before = job.state
     request_cancel(session, job)
     session.commit()
     if job.state != before:
         background.add_task(broker.wake_scheduler, settings)
-    return job_out(session, job, owner)
+    return _snapshot_out(session, user, job_id)

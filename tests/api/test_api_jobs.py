@@ -42,8 +42,9 @@ def test_submit_returns_the_normalised_job(client: TestClient, alice: dict[str, 
         job_spec.parse_spec(SPEC | {"name": "tiny", "priority": 5})
     )
     assert job["progress"] is None and job["latest_metrics"] == {} and job["attempts"] == []
+    # POST and GET answer with the same body for the same job
     again = client.get(f"/v1/jobs/{job['id']}", headers=alice)
-    assert again.status_code == 200 and again.json()["id"] == job["id"]
+    assert again.status_code == 200 and again.json() == job
 
 
 def test_submit_names_every_problem_and_stores_nothing(
@@ -79,9 +80,6 @@ def test_submit_checks_world_size_against_the_server(
     assert "<= 2" in err["message"]
 
 
-@pytest.mark.skipif(
-    not hasattr(job_spec, "missing_dataset_files"), reason="trainer.spec has no dataset check yet"
-)
 def test_submit_refuses_a_dataset_not_on_disk(client: TestClient, alice: dict[str, str]) -> None:
     spec = SPEC | {"data": {"name": "mnist"}}
     err = _error(client.post("/v1/jobs", json=spec, headers=alice), 422)
@@ -181,11 +179,20 @@ def test_cancel(
     client: TestClient, factory: Factory, alice: dict[str, str], state: str, after: str
 ) -> None:
     job_id = factory.job("alice", state=state)
+    factory.attempt(job_id, number=1, workers=2)
+    before = client.get(f"/v1/jobs/{job_id}", headers=alice).json()
     r = client.post(f"/v1/jobs/{job_id}/cancel", headers=alice)
     assert r.status_code == 202, r.text
-    assert r.json()["state"] == after and r.json()["cancel_requested"] is True
+    cancelled = r.json()
+    assert cancelled["state"] == after and cancelled["cancel_requested"] is True
+    # the cancel's body is the job as GET shows it: all but what the cancel changed is as
+    # before, and a GET right after shows exactly it
+    changed = {"state", "cancel_requested", "updated_at", "finished_at"}
+    assert {k for k in JOB_KEYS if cancelled[k] != before[k]} <= changed
+    assert cancelled["attempts"] == before["attempts"] and len(cancelled["attempts"]) == 1
+    assert client.get(f"/v1/jobs/{job_id}", headers=alice).json() == cancelled
     again = client.post(f"/v1/jobs/{job_id}/cancel", headers=alice)
-    assert again.status_code == 202 and again.json()["state"] == after
+    assert again.status_code == 202 and again.json() == cancelled
 
 
 @pytest.mark.parametrize("state", [SUCCEEDED, "failed"])

@@ -1,32 +1,33 @@
-"""The CLI against an in-memory API: exit codes, one-line errors, output formats."""
+"""The CLI against the real API (a TestClient of create_app on SQLite): exit codes,
+one-line errors, output formats, --follow over the event stream."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
-from client_fake_api import FakeAPI
+from client_server import BLOB, SPEC, STEPS, Recorder, Store
+from fastapi.testclient import TestClient
 
 from torchyard.client import render
-from torchyard.client.cli import main, progress_line, wide_rows
+from torchyard.client.cli import follow_job, main, progress_line, wide_rows
+from torchyard.client.sdk import Client
+
+Run = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def api() -> FakeAPI:
-    return FakeAPI()
+def run(http: TestClient, token: str, capsys: pytest.CaptureFixture[str]) -> Run:
+    """run(*argv) -> (exit code, stdout, stderr), talking to the app."""
 
-
-@pytest.fixture
-def run(api: FakeAPI, capsys: pytest.CaptureFixture[str]):
-    """run(*argv) -> (exit code, stdout, stderr), talking to the fake API."""
-
-    def _run(*argv: str) -> tuple[int, str, str]:
-        rc = main(
-            [*argv, "--url", "http://ty.test", "--token", api.token], transport=api.transport()
-        )
+    def _run(*argv: str, token: str = token) -> tuple[int, str, str]:
+        rc = main([*argv, "--token", token], http=http)
         out, err = capsys.readouterr()
         return rc, out, err
 
@@ -36,38 +37,81 @@ def run(api: FakeAPI, capsys: pytest.CaptureFixture[str]):
 @pytest.fixture
 def spec(tmp_path: Path) -> Path:
     p = tmp_path / "spec.yaml"
-    p.write_text("name: t\nmodel: {name: mlp}\ndata: {name: digits}\noptimizer: {name: sgd}\n")
+    p.write_text(
+        "name: t\nmodel: {name: mlp, hidden: [16]}\n"
+        "data: {name: synthetic, shape: [1, 8, 8], num_classes: 4, size: 64}\n"
+        "optimizer: {name: sgd, lr: 0.1}\nepochs: 2\n"
+    )
     return p
 
 
-def test_submit_follow_succeeds_prints_id_and_progress(run, spec: Path, api: FakeAPI) -> None:
+def test_submit_follow_succeeds_prints_id_and_progress(
+    run: Run, spec: Path, store: Store, worker: Callable[..., None]
+) -> None:
+    worker()
     rc, out, err = run("submit", str(spec), "--follow", "--interval", "0")
-    assert rc == 0
+    assert rc == 0, err
     (job_id,) = out.split()
-    assert job_id in api.jobs
-    assert "running" in err and f"job {job_id} succeeded" in err
-    assert f"{api.steps}/{api.steps}" in err  # the final progress line
+    assert store.state(job_id) == "succeeded"
+    lines = err.splitlines()
+    states = [ln.split()[1] for ln in lines if ln.startswith(job_id[:12])]
+    assert states == ["queued", "starting", "running", "succeeded"]
+    assert f"{STEPS}/{STEPS}" in err  # the final progress line
     assert "train/loss 0.5000" in err  # 2.0 / step 4: the latest loss is shown
+    assert f"job {job_id} succeeded" in err
+    assert "\x1b[" not in err  # not a terminal: no ANSI codes
 
 
-def test_follow_of_a_failed_job_exits_1_with_its_error(run, spec: Path, api: FakeAPI) -> None:
-    api.final_state = "failed"
+def test_follow_of_a_failed_job_exits_1_with_its_error(
+    run: Run, spec: Path, worker: Callable[..., None]
+) -> None:
+    worker("failed", "trainer exited with code 3")
     rc, _, err = run("submit", str(spec), "-f", "--interval", "0")
     assert rc == 1
-    assert "failed" in err and "trainer exited with code 3" in err
+    assert "failed" in err and "error: trainer exited with code 3" in err
 
 
-def test_rejected_spec_is_one_line_and_exit_2(run, tmp_path: Path) -> None:
+def test_status_follow_of_a_cancelled_job_replays_its_states(
+    run: Run, spec: Path, store: Store
+) -> None:
+    _, out, _ = run("submit", str(spec))
+    job_id = out.strip()
+    store.set_state(job_id, "cancelled")
+    rc, out, err = run("status", job_id, "--follow")
+    assert rc == 1 and out == ""
+    assert f"{job_id[:12]} queued" in err and f"job {job_id} cancelled" in err
+
+
+def test_follow_resumes_where_the_stream_broke(
+    http: TestClient, token: str, store: Store, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(Client, "reconnect_delay_s", 0.01)
+    recorder = Recorder(http._transport)
+    with httpx.Client(base_url="http://ty.test", transport=recorder) as h:
+        job_id = Client(token=token, http=h).submit(SPEC)["id"]
+        store.run(job_id)
+        recorder.cut_events = 9  # of 13: 6 metrics, a checkpoint, 4 states, `end`
+        rc = main(["status", job_id, "--follow", "--token", token], http=h)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    states = [ln.split()[1] for ln in err.splitlines() if ln.startswith(job_id[:12])]
+    assert states == ["queued", "starting", "running", "succeeded"]  # each once
+    assert "API unreachable, retrying" in err and f"job {job_id} succeeded" in err
+    streams = [r for r in recorder.requests if r.url.path.endswith("/events")]
+    assert len(streams) == 2 and "Last-Event-ID" in streams[1].headers
+
+
+def test_rejected_spec_is_one_line_and_exit_2(run: Run, tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"optimizer": {"lr": 0}, "batch_size": 1.5}))
+    bad.write_text(json.dumps({"model": {"name": "mlp"}, "optimizer": {"lr": 0}}))
     rc, out, err = run("submit", str(bad))
     assert rc == 2 and out == ""
-    assert err == (
-        "error: 422 invalid spec: optimizer.lr: must be > 0; batch_size: must be an integer\n"
-    )
+    assert err.startswith("error: 422 ") and err.count("\n") == 1
+    assert "optimizer.lr" in err and "data" in err
 
 
-def test_unparsable_spec_file_is_exit_2_without_traceback(run, tmp_path: Path) -> None:
+def test_unparsable_spec_file_is_exit_2_without_traceback(run: Run, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
     rc, _, err = run("submit", str(bad))
@@ -75,64 +119,141 @@ def test_unparsable_spec_file_is_exit_2_without_traceback(run, tmp_path: Path) -
     assert err.startswith("error: ") and "not valid YAML" in err and "Traceback" not in err
 
 
-def test_wrong_token_and_unknown_job_exit_1(api: FakeAPI, capsys) -> None:
-    rc = main(["list", "--url", "http://ty.test", "--token", "ty_no"], transport=api.transport())
-    assert rc == 1 and capsys.readouterr().err.startswith("error: 401 ")
-    rc = main(
-        ["status", "f" * 32, "--url", "http://ty.test", "--token", api.token],
-        transport=api.transport(),
-    )
-    assert rc == 1 and capsys.readouterr().err == "error: 404 job not found\n"
+def test_wrong_token_and_unknown_job_exit_1(run: Run) -> None:
+    rc, _, err = run("list", token="ty_no")
+    assert rc == 1 and err.startswith("error: 401 ")
+    rc, _, err = run("status", "f" * 32)
+    assert rc == 1 and err.startswith("error: 404 ") and err.count("\n") == 1
 
 
-def test_bad_option_is_exit_2(run) -> None:
+def test_bad_option_is_exit_2(run: Run) -> None:
     rc, _, err = run("metrics")
     assert rc == 2 and "required" in err
 
 
-def test_status_list_workers_and_prefix_ids(run, spec: Path) -> None:
+def test_status_list_workers_and_prefix_ids(run: Run, spec: Path, store: Store) -> None:
     _, out, _ = run("submit", str(spec))
     job_id = out.strip()
     rc, out, _ = run("status", job_id[:6])
-    assert rc == 0 and job_id in out and "state" in out
+    assert rc == 0 and job_id in out and "queued (attempt 1)" in out
     rc, out, _ = run("status", job_id, "--json")
     assert json.loads(out)["id"] == job_id
     rc, out, _ = run("list")
     assert rc == 0 and out.splitlines()[0].split()[:3] == ["ID", "NAME", "STATE"]
-    assert job_id[:12] in out
+    assert out.splitlines()[1].split()[:3] == [job_id[:12], "t", "queued"]
+    store.worker("w-gpu0")
     rc, out, _ = run("workers")
-    assert rc == 0 and "w0" in out and "idle" in out
+    assert rc == 0 and "w-gpu0" in out and "idle" in out
+    rc, out, _ = run("workers", "--json")
+    assert [w["id"] for w in json.loads(out)] == ["w-gpu0"]
 
 
-def test_metrics_csv_and_plot(run, spec: Path, api: FakeAPI) -> None:
-    _, out, _ = run("submit", str(spec), "-f", "--interval", "0")
+def test_json_output_is_the_api_body_as_before(
+    run: Run, spec: Path, http: TestClient, token: str
+) -> None:
+    _, out, _ = run("submit", str(spec), "--json")
+    job = json.loads(out)
+    body = http.get(f"/v1/jobs/{job['id']}", headers={"Authorization": f"Bearer {token}"})
+    rc, out, _ = run("status", job["id"], "--json")
+    assert rc == 0 and out == json.dumps(body.json(), indent=2, sort_keys=False) + "\n"
+
+
+def test_metrics_csv_table_and_plot(run: Run, spec: Path, store: Store) -> None:
+    _, out, _ = run("submit", str(spec))
     job_id = out.strip()
+    store.run(job_id)
     rc, out, _ = run("metrics", job_id, "--csv")
     assert rc == 0
     rows = list(csv.reader(io.StringIO(out)))
     assert rows[0] == ["step", "train/loss", "val/loss"]
     assert [r[0] for r in rows[1:]] == ["1", "2", "3", "4"]
     assert float(rows[2][1]) == 1.0 and float(rows[2][2]) == 1.0 and rows[1][2] == ""
-    rc, out, _ = run("metrics", job_id, "--plot")
-    assert rc == 0 and "train/loss" in out and "val/loss" in out
+    rc, out, _ = run("metrics", job_id, "--plot", "--width", "40", "--height", "8")
+    assert rc == 0 and out.rstrip().endswith("* train/loss   o val/loss")
+    assert "\x1b[" not in out and "step" in out
     rc, out, _ = run("metrics", job_id, "--name", "val/loss")
     assert rc == 0 and out.splitlines()[0].split() == ["step", "val/loss"]
+    assert [ln.split() for ln in out.splitlines()[1:]] == [["2", "1"], ["4", "0.5000"]]
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plot_is_coloured_on_a_terminal_unless_no_color(
+    run: Run, spec: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, out, _ = run("submit", str(spec))
+    job_id = out.strip()
+    store.run(job_id)
+    for env in ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    plots = []
+    for no_color in (False, True):
+        if no_color:
+            monkeypatch.setenv("NO_COLOR", "1")
+        tty = _Tty()
+        monkeypatch.setattr("sys.stdout", tty)
+        assert run("metrics", job_id, "--plot")[0] == 0
+        plots.append(tty.getvalue())
+    assert "\x1b[38;5;" in plots[0]  # each series its colour
+    assert "\x1b[" not in plots[1] and "* train/loss" in plots[1]
+
+
+def test_follow_on_a_terminal_redraws_one_line_in_place(
+    ty: Client, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for env in ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    job_id = ty.submit(SPEC)["id"]
+    store.run(job_id)
+    tty = _Tty()
+    assert follow_job(ty, job_id, stream=tty) == 0
+    text = tty.getvalue()
+    assert "\x1b[2K" in text  # rich erased the live line to redraw it
+    assert f"{STEPS}/{STEPS}" in text and f"job {job_id} succeeded" in text
+
+
+def test_a_long_metrics_table_is_downsampled_and_says_so(
+    run: Run, spec: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, out, _ = run("submit", str(spec))
+    job_id = out.strip()
+    store.metrics(job_id, range(1, 41))
+    monkeypatch.setattr("torchyard.client.cli.TABLE_MAX_ROWS", 10)
+    rc, out, err = run("metrics", job_id, "--name", "train/loss")
+    rows = out.splitlines()[1:]
+    assert rc == 0 and 1 < len(rows) <= 10 and rows[-1].split() == ["40", "0.0500"]
+    assert err.startswith("note: 10 rows at most") and "--csv" in err
+    rc, out, err = run("metrics", job_id, "--name", "train/loss", "--csv")
+    assert len(out.splitlines()) == 41 and err == ""  # CSV keeps every point
+
+
+def test_metrics_of_a_job_without_any_is_exit_1(run: Run, spec: Path) -> None:
+    _, out, _ = run("submit", str(spec))
+    rc, _, err = run("metrics", out.strip())
+    assert rc == 1 and err == f"error: no metrics yet for job {out.strip()}\n"
 
 
 def test_download_reports_verified_sha_and_how_to_load(
-    run, spec: Path, api: FakeAPI, tmp_path: Path
+    run: Run, spec: Path, store: Store, tmp_path: Path
 ) -> None:
     _, out, _ = run("submit", str(spec))
+    store.checkpoint(out.strip())
     dest = tmp_path / "ck.pt"
     rc, out, err = run("download", out.strip(), "-o", str(dest))
-    assert rc == 0 and dest.read_bytes() == api.blob
-    assert f"sha256 {api.sha} verified" in out
+    assert rc == 0 and dest.read_bytes() == BLOB
+    assert f"sha256 {hashlib.sha256(BLOB).hexdigest()} verified" in out
     assert "weights_only=True" in out
-    assert "100.0%" in err
+    assert err.splitlines()[-1].split()[1:3] == ["100%", "16.0/16.0"]  # bar, %, KiB
 
 
 def test_progress_line_and_wide_rows() -> None:
     job = {
+        "state": "running",
         "spec": {"epochs": 5},
         "progress": {
             "step": 50,
@@ -142,10 +263,10 @@ def test_progress_line_and_wide_rows() -> None:
             "eta_s": 65,
         },
     }
-    line = progress_line(job, {"train/loss": (50, 0.25)}, unicode=False)
+    line = render.to_text(progress_line(job, {"train/loss": (50, 0.25)}))
     assert "epoch 2/5" in line and "50/100" in line and "1,234 samples/s" in line
     assert "ETA 1:05" in line and "train/loss 0.2500" in line
-    assert render.bar(0.5, 10, unicode=False) == "#####-----"
+    assert "━" * 12 in line and "━" * 13 not in line  # half of a 24-wide bar
     names, rows = wide_rows(
         {"b": {"steps": [2], "values": [1.0]}, "a": {"steps": [1, 2], "values": [3.0, 4.0]}}
     )
@@ -153,7 +274,20 @@ def test_progress_line_and_wide_rows() -> None:
 
 
 def test_plot_marks_each_series_and_handles_empty() -> None:
-    text = render.plot({"x": ([0, 1, 2], [3.0, 2.0, 1.0])}, width=20, height=5, unicode=False)
-    grid = text.splitlines()[:5]
-    assert grid[0].endswith("|*") and grid[-1].rstrip().endswith("*")  # high left, low right
+    text = render.plot({"x": ([0, 1, 2], [3.0, 2.0, 1.0])}, width=30, height=8)
+    canvas = [ln for ln in text.splitlines() if "┤" in ln or "│" in ln][1:-1]
+    top, bottom = canvas[0], canvas[-1]
+    assert top.index("*") < bottom.index("*")  # high on the left, low on the right
+    assert text.splitlines()[-1] == "* x" and "\x1b[" not in text
+    colored = render.plot({"x": ([0, 1], [1.0, 2.0])}, width=30, height=8, color=True)
+    assert "\x1b[" in colored
     assert render.plot({"x": ([], [])}) == "(no data to plot)"
+    assert render.plot({"x": ([1], [0.0])}, log_y=True) == "(no data to plot)"
+
+
+def test_tables_never_wrap_when_piped() -> None:
+    long = "n" * 300
+    text = render.to_text(render.table(["ID", "NAME", "N"], [("a", long, 1), ("b", "x", 22)]))
+    lines = text.splitlines()
+    assert len(lines) == 3 and long in lines[1]
+    assert lines[1].rstrip().endswith(" 1") and lines[2].rstrip().endswith("22")  # right-aligned

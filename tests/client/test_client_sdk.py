@@ -1,28 +1,32 @@
-"""The SDK against an in-memory API (httpx.MockTransport): errors, config, downloads."""
+"""The SDK against the real API (a TestClient of create_app on SQLite): errors, config,
+downloads with resume, the event stream and its resumption."""
 
 from __future__ import annotations
 
 import hashlib
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from client_fake_api import FakeAPI
+from client_server import BLOB, SPEC, STEPS, Recorder, Store
+from fastapi.testclient import TestClient
 
 from torchyard import client
 from torchyard.client import errors
 from torchyard.client.sdk import Client, default_filename, load_spec, resolve_config
 
-
-@pytest.fixture
-def api() -> FakeAPI:
-    return FakeAPI()
+SHA = hashlib.sha256(BLOB).hexdigest()
 
 
 @pytest.fixture
-def ty(api: FakeAPI) -> Client:
-    return Client("http://ty.test", api.token, transport=api.transport())
+def rec(http: TestClient, token: str) -> Iterator[tuple[Client, Recorder]]:
+    """A Client whose requests go through a Recorder around the app."""
+    recorder = Recorder(http._transport)
+    with httpx.Client(base_url="http://ty.test", transport=recorder) as h:
+        yield Client(token=token, http=h), recorder
 
 
 def test_public_exports_are_the_documented_tree() -> None:
@@ -38,26 +42,22 @@ def test_public_exports_are_the_documented_tree() -> None:
 
 def test_422_becomes_invalid_spec_with_one_line_naming_each_field(ty: Client) -> None:
     with pytest.raises(errors.InvalidSpec) as e:
-        ty.submit({"model": {"name": "mlp"}, "optimizer": {"lr": -1}, "batch_size": "x"})
-    assert e.value.status == 422
-    assert e.value.problems == [
-        ("optimizer.lr", "must be > 0"),
-        ("batch_size", "must be an integer"),
-    ]
-    assert (
-        e.value.one_line()
-        == "422 invalid spec: optimizer.lr: must be > 0; batch_size: must be an integer"
-    )
-    assert e.value.is_user_error
+        ty.submit({**SPEC, "optimizer": {"name": "sgd", "lr": -1}, "batch_size": "x"})
+    assert e.value.status == 422 and e.value.is_user_error
+    fields = [f for f, _ in e.value.problems]
+    assert "optimizer.lr" in fields and "batch_size" in fields
+    line = e.value.one_line()
+    assert line.startswith("422 ") and "\n" not in line
+    assert all(f"{f}: {m}" in line for f, m in e.value.problems)  # each problem, in its words
 
 
-def test_wrong_token_is_unauthorized_and_missing_job_not_found(api: FakeAPI) -> None:
-    bad = Client("http://ty.test", "ty_wrong", transport=api.transport())
-    with pytest.raises(errors.Unauthorized):
-        bad.jobs()
-    ok = Client("http://ty.test", api.token, transport=api.transport())
+def test_wrong_token_is_unauthorized_and_missing_job_not_found(
+    http: TestClient, ty: Client
+) -> None:
     with pytest.raises(errors.NotFound):
-        ok.job("0" * 32)
+        ty.job("0" * 32)
+    with pytest.raises(errors.Unauthorized):
+        Client(token="ty_wrong", http=http).jobs()
 
 
 def test_error_for_reads_fastapi_detail_and_unknown_statuses() -> None:
@@ -74,14 +74,20 @@ def test_unreachable_server_is_connect_error() -> None:
     with Client(f"http://127.0.0.1:{port}", "t") as ty, pytest.raises(errors.ConnectError) as e:
         ty.jobs()
     assert "connection refused" in str(e.value)
+    with Client(f"http://127.0.0.1:{port}", "t") as ty, pytest.raises(errors.ConnectError):
+        next(ty.stream_events("0" * 32))  # a stream that never opened is not retried
 
 
-def test_submit_sends_bearer_token_and_idempotency_key(api: FakeAPI, ty: Client) -> None:
-    job = ty.submit({"name": "a", "optimizer": {"lr": 0.1}}, idempotency_key="k-1")
-    req = api.requests[-1]
-    assert req.headers["Authorization"] == f"Bearer {api.token}"
+def test_submit_sends_bearer_token_and_idempotency_key(
+    rec: tuple[Client, Recorder], token: str
+) -> None:
+    ty, recorder = rec
+    job = ty.submit(SPEC, idempotency_key="k-1")
+    req = recorder.requests[-1]
+    assert req.headers["Authorization"] == f"Bearer {token}"
     assert req.headers["Idempotency-Key"] == "k-1"
     assert job["state"] == "queued" and len(job["id"]) == 32
+    assert ty.submit(SPEC, idempotency_key="k-1")["id"] == job["id"]  # the server kept the key
 
 
 def test_resolve_config_order(tmp_path: Path) -> None:
@@ -110,87 +116,136 @@ def test_load_spec_reads_json_and_yaml_and_refuses_garbage(tmp_path: Path) -> No
         load_spec(tmp_path / "missing.json")
 
 
-def _job(ty: Client) -> str:
-    return ty.submit({"name": "dl"})["id"]
+def _job(ty: Client, store: Store) -> str:
+    """A job with one checkpoint file (BLOB) on record."""
+    jid = ty.submit(SPEC)["id"]
+    store.checkpoint(jid)
+    return jid
 
 
-def test_download_verifies_and_names_the_file(api: FakeAPI, ty: Client, tmp_path: Path) -> None:
-    jid = _job(ty)
+def test_download_verifies_and_names_the_file(ty: Client, store: Store, tmp_path: Path) -> None:
+    jid = _job(ty, store)
     dl = ty.download(jid, path=tmp_path)
-    assert dl.path == tmp_path / default_filename(jid, {"step": 0, "kind": "resume"})
-    assert dl.path.read_bytes() == api.blob
-    assert dl.sha256 == api.sha and dl.resumed_from == 0 and dl.format == "torch"
+    assert dl.path == tmp_path / default_filename(jid, {"step": STEPS, "kind": "resume"})
+    assert dl.path.read_bytes() == BLOB
+    assert dl.sha256 == SHA and dl.resumed_from == 0 and dl.format == "torch"
     assert not list(tmp_path.glob("*.part"))
     again = ty.download(jid, path=f"{tmp_path}/new/")  # a trailing slash names a directory
     assert again.path == tmp_path / "new" / dl.path.name
+    with pytest.raises(errors.NotFound, match="no checkpoint 999"):
+        ty.download(jid, "999", tmp_path)
 
 
-def test_download_resumes_a_part_file_with_range(api: FakeAPI, ty: Client, tmp_path: Path) -> None:
-    jid, out = _job(ty), tmp_path / "m.pt"
-    (tmp_path / "m.pt.part").write_bytes(api.blob[:1000])
+def test_download_resumes_a_part_file_with_range(
+    rec: tuple[Client, Recorder], store: Store, tmp_path: Path
+) -> None:
+    ty, recorder = rec
+    jid, out = _job(ty, store), tmp_path / "m.pt"
+    (tmp_path / "m.pt.part").write_bytes(BLOB[:1000])
     seen: list[tuple[int, int | None]] = []
-    dl = ty.download(jid, "7", out, on_progress=lambda d, t: seen.append((d, t)))
-    req = api.requests[-1]
+    dl = ty.download(jid, "latest", out, on_progress=lambda d, t: seen.append((d, t)))
+    req = recorder.requests[-1]
     assert req.headers["Range"] == "bytes=1000-"
-    assert req.headers["If-Range"] == f'"{api.sha}"'
-    assert dl.resumed_from == 1000 and out.read_bytes() == api.blob
-    assert seen[0] == (1000, len(api.blob)) and seen[-1] == (len(api.blob), len(api.blob))
+    assert req.headers["If-Range"] == f'"{SHA}"'
+    assert dl.resumed_from == 1000 and out.read_bytes() == BLOB
+    assert seen[0] == (1000, len(BLOB)) and seen[-1] == (len(BLOB), len(BLOB))
 
 
 def test_broken_download_leaves_a_part_that_the_next_call_resumes(
-    api: FakeAPI, ty: Client, tmp_path: Path
+    rec: tuple[Client, Recorder], store: Store, tmp_path: Path
 ) -> None:
-    jid, out = _job(ty), tmp_path / "m.pt"
-    api.cut_after = 5000
+    ty, recorder = rec
+    jid, out = _job(ty, store), tmp_path / "m.pt"
+    recorder.cut_after = 5000
     with pytest.raises(errors.ConnectError, match="run the same command again"):
         ty.download(jid, path=out)
     assert (tmp_path / "m.pt.part").stat().st_size == 5000 and not out.exists()
     dl = ty.download(jid, path=out)
-    assert dl.resumed_from == 5000 and hashlib.sha256(out.read_bytes()).hexdigest() == api.sha
+    assert dl.resumed_from == 5000 and hashlib.sha256(out.read_bytes()).hexdigest() == SHA
 
 
 def test_part_of_another_file_is_discarded_and_fetched_again(
-    api: FakeAPI, ty: Client, tmp_path: Path
+    ty: Client, store: Store, tmp_path: Path
 ) -> None:
-    jid, out = _job(ty), tmp_path / "m.pt"
+    jid, out = _job(ty, store), tmp_path / "m.pt"
     (tmp_path / "m.pt.part").write_bytes(b"x" * 1000)  # same length prefix, wrong bytes
     dl = ty.download(jid, path=out)
-    assert out.read_bytes() == api.blob and dl.resumed_from == 0
+    assert out.read_bytes() == BLOB and dl.resumed_from == 0
 
 
 def test_checksum_mismatch_raises_and_keeps_no_file(
-    api: FakeAPI, ty: Client, tmp_path: Path
+    rec: tuple[Client, Recorder], store: Store, tmp_path: Path
 ) -> None:
-    jid, out = _job(ty), tmp_path / "m.pt"
-    real_handle = api.handle
-
-    def corrupt(req: httpx.Request) -> httpx.Response:
-        resp = real_handle(req)
-        if req.url.path.endswith("/download"):
-            return httpx.Response(200, headers={"ETag": resp.headers["ETag"]}, content=b"evil")
-        return resp
-
-    with (
-        Client("http://ty.test", api.token, transport=httpx.MockTransport(corrupt)) as ty2,
-        pytest.raises(errors.ChecksumError),
-    ):
-        ty2.download(jid, path=out)
+    ty, recorder = rec
+    jid, out = _job(ty, store), tmp_path / "m.pt"
+    recorder.corrupt = True
+    with pytest.raises(errors.ChecksumError):
+        ty.download(jid, path=out)
     assert not out.exists() and not (tmp_path / "m.pt.part").exists()
 
 
-def test_wait_and_iter_jobs(api: FakeAPI, ty: Client) -> None:
-    ids = {_job(ty), ty.submit({"name": "other"})["id"]}
-    assert {j["id"] for j in ty.iter_jobs()} == ids
+def test_wait_and_iter_jobs(ty: Client, store: Store) -> None:
+    ids = [ty.submit(SPEC)["id"], ty.submit({**SPEC, "name": "other"})["id"]]
+    assert {j["id"] for j in ty.iter_jobs(page_size=1)} == set(ids)  # two pages
+    store.run(ids[0])
     updates: list[str] = []
-    final = ty.wait(sorted(ids)[0], poll_s=0, on_update=lambda j: updates.append(j["state"]))
-    assert final["state"] == "succeeded" and updates[0] == "running"
+    final = ty.wait(ids[0], poll_s=0, on_update=lambda j: updates.append(j["state"]))
+    assert final["state"] == "succeeded" and updates == ["succeeded"]
+    with pytest.raises(TimeoutError, match="still queued"):
+        ty.wait(ids[1], poll_s=0.01, timeout_s=0.05)
 
 
-def test_sse_parser_decodes_json_and_keeps_event_names() -> None:
-    from torchyard.client.sdk import _parse_sse
+def test_events_of_a_finished_job(ty: Client, store: Store) -> None:
+    jid = ty.submit(SPEC)["id"]
+    store.run(jid)
+    events = list(ty.events(jid))
+    states = [d["state"] for e, d in events if e == "state"]
+    assert states == ["queued", "starting", "running", "succeeded"]
+    metrics = [(d["name"], d["step"]) for e, d in events if e == "metric"]
+    assert ("train/loss", STEPS) in metrics and len(metrics) == STEPS + STEPS // 2
+    ck = next(d for e, d in events if e == "checkpoint")
+    assert ck["sha256"] == SHA and ck["step"] == STEPS
+    assert events[-1] == ("end", {"state": "succeeded"})
 
-    lines = [": keep-alive", "event: state", 'data: {"state": "running"}', "", "data: plain", ""]
-    assert list(_parse_sse(iter(lines))) == [("state", {"state": "running"}), ("message", "plain")]
+
+def test_stream_events_follows_a_live_job_and_resumes_after_a_drop(
+    rec: tuple[Client, Recorder], store: Store
+) -> None:
+    ty, recorder = rec
+    ty.reconnect_delay_s = 0.01
+    jid = ty.submit(SPEC)["id"]
+    recorder.cut_events = 5  # a few events in, the connection breaks
+    retries: list[errors.TorchyardError] = []
+    seen = []
+    for ev in ty.stream_events(jid, on_retry=retries.append):
+        seen.append(ev)
+        if len(seen) == 1:  # the stream is open: the job starts now
+            threading.Thread(target=store.run, args=(jid,), daemon=True).start()
+    assert len(retries) == 1 and isinstance(retries[0], errors.ConnectError)
+    streams = [r for r in recorder.requests if r.url.path.endswith("/events")]
+    assert len(streams) == 2 and "Last-Event-ID" not in streams[0].headers
+    assert streams[1].headers["Last-Event-ID"] in [e.id for e in seen]
+    ids = [e.id for e in seen if e.event != "end"]  # `end` repeats the last position
+    assert len(ids) == len(set(ids))  # nothing seen twice
+    states = [e.data["state"] for e in seen if e.event == "state"]
+    assert states == ["queued", "starting", "running", "succeeded"]
+    loss = [e.data["step"] for e in seen if e.event == "metric" and e.data["name"] == "train/loss"]
+    assert loss == list(range(1, STEPS + 1))  # nothing lost either
+    assert seen[-1].event == "end" and seen[-1].data == {"state": "succeeded"}
+
+
+def test_stream_events_gives_up_after_reconnect_for_s(rec: tuple[Client, Recorder]) -> None:
+    ty, recorder = rec
+    ty.reconnect_delay_s = 0.02
+    jid = ty.submit(SPEC)["id"]
+    recorder.cut_events = 1  # the `queued` event, then the server is gone
+    retries: list[errors.TorchyardError] = []
+    events = ty.stream_events(jid, reconnect_for_s=0.3, on_retry=retries.append)
+    assert next(events).data["state"] == "queued"
+    recorder.down = True
+    with pytest.raises(errors.ConnectError, match="connection refused"):
+        next(events)  # the break, then refused reconnects for 0.3 s
+    assert len(retries) >= 2
 
 
 def test_one_line_names_problems_the_message_leaves_out() -> None:

@@ -1,0 +1,76 @@
+"""Client fixtures: the real API (`create_app`) on a fresh SQLite store per test, reached
+through a TestClient (an httpx.Client) injected into the SDK and the CLI. No worker runs, so
+jobs stay queued unless a test moves them on through the store (`client_server.Store`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import client_server
+import pytest
+import torchyard_testdb
+from client_server import Store
+from fastapi.testclient import TestClient
+
+from torchyard.api.app import create_app
+from torchyard.client.sdk import Client
+from torchyard.store.settings import Settings
+
+sqlite_template = client_server.sqlite_template  # the migrated schema, copied per test
+
+
+@pytest.fixture
+def db_url(sqlite_template: Path, tmp_path: Path) -> Iterator[str]:
+    with torchyard_testdb.sqlite_copy(sqlite_template, tmp_path) as url:
+        yield url
+
+
+settings = torchyard_testdb.settings
+
+
+@pytest.fixture
+def store(db_url: str, settings: Settings) -> Store:
+    return Store(db_url, settings)
+
+
+@pytest.fixture
+def token(store: Store) -> str:
+    return store.token("alice")
+
+
+@pytest.fixture
+def http(settings: Settings) -> Iterator[TestClient]:
+    app = create_app(settings)
+    app.state.feed_poll_s = 0.02  # the event stream reads the store this often
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture
+def ty(http: TestClient, token: str) -> Client:
+    return Client(token=token, http=http)
+
+
+@pytest.fixture
+def worker(store: Store) -> Iterator[Callable[..., None]]:
+    """worker(final="succeeded"): in the background, run the next job submitted (as a worker
+    would), once it appears in the store."""
+    threads: list[threading.Thread] = []
+
+    def start(final: str = "succeeded", error: str | None = None) -> None:
+        def work() -> None:
+            deadline = time.monotonic() + 20
+            while (job := store.newest_job()) is None:
+                assert time.monotonic() < deadline, "no job was submitted"
+                time.sleep(0.02)
+            store.run(job, final, error)
+
+        threads.append(threading.Thread(target=work, daemon=True))
+        threads[-1].start()
+
+    yield start
+    for t in threads:
+        t.join(20)
