@@ -8,7 +8,9 @@ max_points=1000.
 It makes a throw-away database (dropped at the end), serves `torchyard api` on a free
 loopback port in its own process, and drives it from a second process with keep-alive
 HTTP/1.1 connections (asyncio streams: little client CPU). Loopback only; every loop is
-bounded in time and count. Goals: >= 1000 req/s with p99 <= 50 ms; curve <= 100 ms.
+bounded in time and count. A third run polls 8 x concurrency jobs with If-None-Match (the
+ETags the warm-up collected), so unchanged jobs answer 304. Goals: GET /v1/jobs/{id} at
+>= 0.3 x the /healthz floor of the same run with p99 <= 50 ms; curve <= 100 ms.
 """
 
 from __future__ import annotations
@@ -19,25 +21,20 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 import uuid
-from pathlib import Path
+from collections import Counter
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchlib import scratch_postgres, start_api
+from sqlalchemy import create_engine, insert, text
 
-from sqlalchemy import create_engine, insert, text  # noqa: E402
-
-from torchyard.store.auth import create_token  # noqa: E402
-from torchyard.store.db import dispose_engines, session_scope  # noqa: E402
-from torchyard.store.metrics import query_series, rebuild_blocks  # noqa: E402
-from torchyard.store.migrate import upgrade  # noqa: E402
-from torchyard.store.models import Attempt, Job, JobEvent, utcnow  # noqa: E402
+from torchyard.store.auth import create_token
+from torchyard.store.db import dispose_engines, session_scope
+from torchyard.store.metrics import query_series, rebuild_blocks
+from torchyard.store.models import Attempt, Job, JobEvent, utcnow
 
 SPEC = {
     "model": {"name": "mlp", "hidden": [128]},
@@ -46,13 +43,8 @@ SPEC = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def populate(url: str, n_jobs: int, n_points: int) -> tuple[str, list[str], str]:
+def _insert_jobs(url: str, n_jobs: int) -> tuple[str, list[str]]:
+    """A user with a token and `n_jobs` running jobs, each with one attempt and event."""
     from torchyard.trainer.spec import parse_spec, spec_to_dict
 
     spec = spec_to_dict(parse_spec(SPEC))
@@ -83,8 +75,11 @@ def populate(url: str, n_jobs: int, n_points: int) -> tuple[str, list[str], str]
                 for i in ids
             ],
         )
-    curve_job = ids[0]
-    t = time.perf_counter()
+    return token, ids
+
+
+def _insert_metrics(url: str, curve_job: str, n_points: int) -> None:
+    """An `n_points` curve with one spike for `curve_job`, three points for every other."""
     with session_scope(url) as s:
         # Bulk load (generate_series), then the rollups, as a backfill would.
         s.execute(
@@ -109,6 +104,13 @@ def populate(url: str, n_jobs: int, n_points: int) -> tuple[str, list[str], str]
             {"job": curve_job},
         )
         rebuild_blocks(s, curve_job)
+
+
+def populate(url: str, n_jobs: int, n_points: int) -> tuple[str, list[str], str]:
+    t = time.perf_counter()
+    token, ids = _insert_jobs(url, n_jobs)
+    curve_job = ids[0]
+    _insert_metrics(url, curve_job, n_points)
     with create_engine(url, isolation_level="AUTOCOMMIT").connect() as c:
         c.execute(text("VACUUM ANALYZE"))
     print(f"loaded {n_jobs} jobs and a {n_points}-point curve in {time.perf_counter() - t:.1f} s")
@@ -116,16 +118,27 @@ def populate(url: str, n_jobs: int, n_points: int) -> tuple[str, list[str], str]
 
 
 async def _client(
-    port: int, token: str, ids: list[str], until: float, lat: list[float], errors: list[int]
+    port: int,
+    token: str,
+    ids: list[str],
+    until: float,
+    lat: list[float],
+    codes: Counter[str],
+    etags: dict[str, str] | None = None,
 ) -> None:
+    """One keep-alive connection polling random jobs until `until`. With `etags`: a
+    client that sends back each job's ETag (If-None-Match), so unchanged polls are 304."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     rnd = random.Random()
     try:
         while time.perf_counter() < until:
             # no ids: the framework floor (/healthz: no auth, no database)
-            path = f"/v1/jobs/{rnd.choice(ids)}" if ids else "/healthz"
+            job = rnd.choice(ids) if ids else None
+            path = f"/v1/jobs/{job}" if job else "/healthz"
+            tag = etags.get(path) if etags is not None else None
+            cond = f"If-None-Match: {tag}\r\n" if tag else ""
             req = (
-                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{cond}"
                 f"Authorization: Bearer {token}\r\nAccept: application/json\r\n\r\n"
             ).encode()
             t0 = time.perf_counter()
@@ -133,31 +146,47 @@ async def _client(
             head = await reader.readuntil(b"\r\n\r\n")
             length = 0
             for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
+                low = line.lower()
+                if low.startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
+                elif low.startswith(b"etag:") and etags is not None:
+                    etags[path] = line.split(b":", 1)[1].strip().decode()
             body = await reader.readexactly(length)
             lat.append(time.perf_counter() - t0)
-            if not head.startswith(b"HTTP/1.1 200") or not body.startswith(b"{"):
-                errors.append(1)
+            if head.startswith(b"HTTP/1.1 200") and body.startswith(b"{"):
+                codes["200"] += 1
+            elif tag and head.startswith(b"HTTP/1.1 304"):
+                codes["304"] += 1
+            else:
+                codes["error"] += 1
     finally:
         writer.close()
 
 
 def load_process(
-    port: int, token: str, ids: list[str], conc: int, seconds: float, q: mp.Queue
+    port: int,
+    token: str,
+    ids: list[str],
+    conc: int,
+    seconds: float,
+    conditional: bool,
+    q: mp.Queue,
 ) -> None:
-    async def run() -> tuple[list[float], int, float]:
-        # warm-up, not counted
-        warm: list[float] = []
+    async def run() -> tuple[list[float], Counter[str], float]:
+        # warm-up, not counted (conditional: it also collects the jobs' ETags)
+        etags: dict[str, str] | None = {} if conditional else None
+        until = time.perf_counter() + 1.5
         await asyncio.gather(
-            *[_client(port, token, ids, time.perf_counter() + 1.5, warm, []) for _ in range(conc)]
+            *[_client(port, token, ids, until, [], Counter(), etags) for _ in range(conc)]
         )
         lat: list[float] = []
-        errors: list[int] = []
+        codes: Counter[str] = Counter()
         t0 = time.perf_counter()
         until = t0 + seconds
-        await asyncio.gather(*[_client(port, token, ids, until, lat, errors) for _ in range(conc)])
-        return lat, len(errors), time.perf_counter() - t0
+        await asyncio.gather(
+            *[_client(port, token, ids, until, lat, codes, etags) for _ in range(conc)]
+        )
+        return lat, codes, time.perf_counter() - t0
 
     q.put(asyncio.run(run()))
 
@@ -170,6 +199,69 @@ def get_json(url: str, token: str) -> tuple[dict, float]:
     return json.loads(body), time.perf_counter() - t
 
 
+def _load(
+    port: int, token: str, ids: list[str], args: argparse.Namespace, cond: bool
+) -> tuple[str, float]:
+    """One load run in its own process; returns its summary line and req/s."""
+    q: mp.Queue = mp.Queue()
+    p = mp.Process(
+        target=load_process, args=(port, token, ids, args.concurrency, args.seconds, cond, q)
+    )
+    p.start()
+    lat, codes, elapsed = q.get(timeout=args.seconds + 120)
+    p.join(timeout=30)
+    lat.sort()
+    pct = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] * 1000  # noqa: E731
+    rate = len(lat) / elapsed
+    line = (
+        f"{len(lat)} requests in {elapsed:.1f} s at {args.concurrency} clients: {rate:.0f} "
+        f"req/s, p50 {pct(0.50):.1f} ms, p99 {pct(0.99):.1f} ms, max {lat[-1] * 1000:.1f} ms, "
+        f"errors {codes['error']}" + (f", 304s {codes['304']}" if codes["304"] else "")
+    )
+    return line, rate
+
+
+def _polls(port: int, token: str, ids: list[str], args: argparse.Namespace) -> None:
+    runs = (
+        ("GET /healthz (floor)", [], False),
+        ("GET /v1/jobs/{id}", ids, False),
+        # clients that each poll their jobs, sending back the ETags they were given
+        (
+            f"GET /v1/jobs/{{id}} If-None-Match, {8 * args.concurrency} jobs",
+            ids[: 8 * args.concurrency],
+            True,
+        ),
+    )
+    rates: dict[str, float] = {}
+    for label, targets, cond in runs:
+        line, rates[label] = _load(port, token, targets, args, cond)
+        print(f"{label}: {line}")
+    floor = rates["GET /healthz (floor)"]
+    for label, _, _ in runs[1:]:
+        print(f"{label} runs at {rates[label] / floor:.2f} x the floor's rate")
+
+
+def _curve(base: str, url: str, token: str, curve_job: str, n_points: int) -> None:
+    curve_url = f"{base}/v1/jobs/{curve_job}/metrics?name=train/loss&max_points=1000"
+    times = []
+    for _ in range(20):
+        body, dt = get_json(curve_url, token)
+        times.append(dt * 1000)
+    loss = body["series"]["train/loss"]
+    print(
+        f"{n_points}-point curve, max_points=1000, over HTTP: {len(loss['steps'])} points, "
+        f"median {statistics.median(times):.1f} ms, max {max(times):.1f} ms "
+        f"(spike kept: max {max(loss['max']):.0f})"
+    )
+    with session_scope(url) as s:
+        store_times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            query_series(s, curve_job, names=["train/loss"], max_points=1000)
+            store_times.append((time.perf_counter() - t) * 1000)
+    print(f"  the store query alone: median {statistics.median(store_times):.1f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pg", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -179,94 +271,18 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     args = ap.parse_args()
 
-    name = f"ty_bench_{os.getpid()}"
-    admin = create_engine(args.pg, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = args.pg.rsplit("/", 1)[0] + "/" + name
-    server = None
-    try:
-        upgrade(url)
+    with scratch_postgres(args.pg, f"ty_bench_{os.getpid()}") as url:
         token, ids, curve_job = populate(url, args.jobs, args.points)
         dispose_engines()
-        port = free_port()
-        env = {**os.environ, "TORCHYARD_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
-        env["TORCHYARD_HOME"] = str(Path("/tmp") / f"{name}-home")
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torchyard",
-                "api",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-            ],
-            cwd=ROOT,
-            env=env,
-        )
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(base + "/healthz", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("the API did not start") from None
-                time.sleep(0.2)
-
-        rates = {}
-        for label, targets in (("GET /healthz (floor)", []), ("GET /v1/jobs/{id}", ids)):
-            q: mp.Queue = mp.Queue()
-            p = mp.Process(
-                target=load_process,
-                args=(port, token, targets, args.concurrency, args.seconds, q),
-            )
-            p.start()
-            lat, errors, elapsed = q.get(timeout=args.seconds + 120)
-            p.join(timeout=30)
-            lat.sort()
-            pct = lambda f, lat=lat: lat[min(len(lat) - 1, int(f * len(lat)))] * 1000  # noqa: E731
-            rates[label] = len(lat) / elapsed
-            print(
-                f"{label}: {len(lat)} requests in {elapsed:.1f} s at {args.concurrency} "
-                f"clients: {len(lat) / elapsed:.0f} req/s, p50 {pct(0.50):.1f} ms, "
-                f"p99 {pct(0.99):.1f} ms, max {lat[-1] * 1000:.1f} ms, errors {errors}"
-            )
-        print(
-            "GET /v1/jobs/{id} runs at "
-            f"{rates['GET /v1/jobs/{id}'] / rates['GET /healthz (floor)']:.2f} x the floor's rate"
-        )
-
-        curve_url = f"{base}/v1/jobs/{curve_job}/metrics?name=train/loss&max_points=1000"
-        times = []
-        for _ in range(20):
-            body, dt = get_json(curve_url, token)
-            times.append(dt * 1000)
-        loss = body["series"]["train/loss"]
-        print(
-            f"{args.points}-point curve, max_points=1000, over HTTP: {len(loss['steps'])} points, "
-            f"median {statistics.median(times):.1f} ms, max {max(times):.1f} ms "
-            f"(spike kept: max {max(loss['max']):.0f})"
-        )
-        with session_scope(url) as s:
-            store_times = []
-            for _ in range(10):
-                t = time.perf_counter()
-                query_series(s, curve_job, names=["train/loss"], max_points=1000)
-                store_times.append((time.perf_counter() - t) * 1000)
-        print(f"  the store query alone: median {statistics.median(store_times):.1f} ms")
-        return 0
-    finally:
-        if server is not None:
+        home = f"/tmp/ty_bench_{os.getpid()}-home"
+        server, base = start_api({"TORCHYARD_DATABASE_URL": url, "TORCHYARD_HOME": home})
+        try:
+            _polls(int(base.rsplit(":", 1)[1]), token, ids, args)
+            _curve(base, url, token, curve_job, args.points)
+        finally:
             server.terminate()
             server.wait(timeout=10)
-        dispose_engines()
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    return 0
 
 
 if __name__ == "__main__":

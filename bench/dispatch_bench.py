@@ -28,23 +28,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "worker")]
+import benchlib
 
-from sqlalchemy import create_engine, func, select, text  # noqa: E402
-from worker_cluster import Cluster, wait_for  # noqa: E402
+sys.path.insert(0, str(benchlib.ROOT / "tests" / "worker"))
 
-from torchyard.store.models import Attempt, Metric  # noqa: E402
+from sqlalchemy import create_engine, func, select, text
+from worker_cluster import Cluster, wait_for
 
-TINY: dict[str, Any] = {
-    "model": {"name": "mlp", "hidden": [32]},
-    "data": {"name": "digits"},
-    "optimizer": {"name": "sgd"},
-    "batch_size": 64,
-    "epochs": 1,
-    "max_steps": 10,
-    "log_every_steps": 1,
-}
+from torchyard.store.models import Attempt, Metric
+
 THROUGHPUT: dict[str, Any] = {
     "model": {"name": "mlp", "hidden": [1024, 1024]},
     "data": {"name": "synthetic", "shape": [1, 28, 28], "size": 20000, "num_classes": 10},
@@ -56,18 +48,12 @@ THROUGHPUT: dict[str, Any] = {
 }
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
-    return xs[i]
-
-
 def dispatch(c: Cluster, n: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"post_ms": [], "dispatch_ms": [], "first_metric_ms": []}
     for i in range(n + 1):  # the first is a warm-up
         c.wait_workers(1)
         t0 = time.time()
-        job = c.submit(TINY)
+        job = c.submit(benchlib.TINY)
         t_post = time.time()
         jid = job["id"]
 
@@ -116,11 +102,19 @@ def throughput(c: Cluster, repeats: int, tmp: Path) -> dict[str, list[float]]:
     worker_pid = c.procs["w0"].pid
     spec_path = tmp / "throughput.json"
     spec_path.write_text(json.dumps(THROUGHPUT))
-    env = dict(c.env, PYTHONPATH=str(ROOT), TORCHYARD_DIE_WITH_PARENT="1")
+    env = dict(c.env, PYTHONPATH=str(benchlib.ROOT), TORCHYARD_DIE_WITH_PARENT="1")
     for r in range(repeats):
         run_dir = tmp / f"standalone-{r}"
         subprocess.run(
-            [sys.executable, "-m", "torchyard.trainer", "--spec", str(spec_path), "--run-dir", str(run_dir)],
+            [
+                sys.executable,
+                "-m",
+                "torchyard.trainer",
+                "--spec",
+                str(spec_path),
+                "--run-dir",
+                str(run_dir),
+            ],
             env=env,
             check=True,
             stdout=subprocess.DEVNULL,
@@ -183,7 +177,7 @@ def main() -> int:
     print(f"backend: {backend}; {args.jobs} jobs; {os.cpu_count()} CPUs")
     for k, xs in d.items():
         print(
-            f"{k:>16}: p50 {pct(xs, 50):7.1f} ms   p95 {pct(xs, 95):7.1f} ms   max {max(xs):7.1f} ms"
+            f"{k:>16}: p50 {benchlib.pct(xs, 50):7.1f} ms   p95 {benchlib.pct(xs, 95):7.1f} ms   max {max(xs):7.1f} ms"
         )
     sa, wo = statistics.median(t["standalone"]), statistics.median(t["worker"])
     print(f"samples/s standalone: {[round(x) for x in t['standalone']]} median {sa:.0f}")
