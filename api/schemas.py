@@ -22,11 +22,6 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-class FieldProblem(BaseModel):
-    field: str
-    message: str
-
-
 class Progress(_Out):
     step: int | None = None
     total_steps: int | None = None

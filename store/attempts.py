@@ -50,25 +50,6 @@ __all__ = [  # the attempt vocabulary callers import from here
 ]
 
 
-def create_attempt(session: Session, job: Job, workers: list[Worker]) -> Attempt:
-    """Record attempt `job.attempt` with one assignment per rank (rank i -> workers[i])."""
-    attempt = Attempt(job_id=job.id, number=job.attempt, world_size=len(workers), state=A_STARTING)
-    session.add(attempt)
-    session.flush()
-    for rank, w in enumerate(workers):
-        session.add(Assignment(attempt_id=attempt.id, job_id=job.id, rank=rank, worker_id=w.id))
-    session.flush()
-    return attempt
-
-
-def assignments_of(session: Session, attempt_id: int) -> list[Assignment]:
-    return list(
-        session.scalars(
-            select(Assignment).where(Assignment.attempt_id == attempt_id).order_by(Assignment.rank)
-        )
-    )
-
-
 @dataclass(frozen=True)
 class Claimed:
     """What a worker needs to run the rank it just claimed."""

@@ -108,16 +108,6 @@ class RankEvents(JsonlEvents):
             super().emit(type, **fields)
 
 
-class NullEvents:
-    """A sink that drops everything."""
-
-    def emit(self, type: str, **fields: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class MemoryEvents:
     """Keeps events in a list (tests, embedding the trainer in a notebook)."""
 

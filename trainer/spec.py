@@ -22,16 +22,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-SPEC_VERSION = 1
-
 ModelName = Literal["mlp", "lenet", "resnet18"]
 DataName = Literal["digits", "mnist", "fashion_mnist", "cifar10", "synthetic"]
 OptimizerName = Literal["sgd", "adam", "adamw"]
 ScheduleName = Literal["constant", "cosine", "onecycle"]
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
 
-# Data sets that ship a held-out test split; the others are split by val_fraction.
-DATASETS_WITH_TEST_SPLIT = frozenset({"mnist", "fashion_mnist", "cifar10"})
 # Models that take [channels, height, width] images.
 CONV_MODELS = frozenset({"lenet", "resnet18"})
 # Default learning rate per optimizer when the spec gives none.
