@@ -1,4 +1,5 @@
-"""Process checks shared by the trainer and worker tests (tests/ is on pytest's path)."""
+"""Helpers shared by the test suites (tests/ is on pytest's path): process checks, and
+small gzip tars for the bundle tests."""
 
 from __future__ import annotations
 
@@ -33,3 +34,17 @@ def assert_dies_with_parent(parent: subprocess.Popen, child: int, what: str) -> 
             os.kill(child, signal.SIGKILL)
         if parent.poll() is None:
             parent.kill()
+
+
+def tar_gz(members: dict[str, bytes]) -> bytes:
+    """A gzip-compressed tar of regular files, named as given (hostile names included)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, body in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return buf.getvalue()

@@ -1,0 +1,426 @@
+"""Code bundles on disk: a user's gzip-compressed tar of their code, checked when it is
+uploaded (the API) and unpacked once per bundle and host into a cache (the worker).
+
+Nothing here trusts the archive. `check_archive` streams through it within the limits (a gzip
+bomb stops at the first member over them) and refuses every name or member type that could
+write or link outside the bundle, or shadow our own `torchyard` package on a job's sys.path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import tarfile
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib.machinery import all_suffixes
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "MARKER",
+    "BundleRejected",
+    "Manifest",
+    "archive_path",
+    "check_archive",
+    "sha256_file",
+    "unpack_cached",
+]
+
+MARKER = ".torchyard-bundle.json"  # written last into an unpacked tree: "this one is complete"
+_MARKER_VERSION = 1
+OLD_TREES_KEEP_S = 86_400.0  # a replaced tree outlives any job still running from it
+_BUNDLE_ID = re.compile(r"^[0-9a-f]{64}$")
+# What the decompressed stream may hold beyond the members' data: tarfile reads pax and
+# GNU long-name records whole into memory, so member sizes alone do not bound it.
+_HEADER_ALLOWANCE = 8192  # per member: header, pax records, padding to 512
+_STREAM_SLACK = 1 << 20  # end-of-archive blocks and record padding
+# A top-level name Python would import as `torchyard` from the job's cwd.
+_SHADOWING = frozenset({"torchyard", *(f"torchyard{suffix}" for suffix in all_suffixes())})
+_KINDS = {
+    tarfile.REGTYPE: "file",
+    tarfile.AREGTYPE: "file",
+    tarfile.DIRTYPE: "dir",
+    tarfile.SYMTYPE: "symlink",
+    tarfile.LNKTYPE: "hardlink",
+}
+_OTHER_KINDS = {
+    tarfile.CHRTYPE: "a character device",
+    tarfile.BLKTYPE: "a block device",
+    tarfile.FIFOTYPE: "a FIFO",
+    tarfile.CONTTYPE: "a contiguous file",
+    tarfile.GNUTYPE_SPARSE: "a sparse file",
+}
+_MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
+
+
+class BundleRejected(ValueError):
+    """An archive that is no acceptable bundle; `reason` says why, naming the member."""
+
+    def __init__(self, reason: str, status: int = 422) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Manifest:
+    files: int  # regular files (hardlinks included: they unpack as files)
+    bytes: int  # sum of all members' sizes
+    names: list[str]  # the regular files' posix paths relative to the bundle, sorted
+
+
+def archive_path(storage: Path, bundle_id: str) -> Path:
+    """`<storage>/bundles/<id>.tar.gz`; the id is the archive's sha256 (lowercase hex)."""
+    _check_id(bundle_id)
+    return storage / "bundles" / f"{bundle_id}.tar.gz"
+
+
+def sha256_file(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _check_id(bundle_id: str) -> None:
+    if not isinstance(bundle_id, str) or not _BUNDLE_ID.match(bundle_id):
+        raise ValueError(f"not a bundle id (64 lowercase hex digits): {bundle_id!r}")
+
+
+def _reject(name: str, why: str) -> BundleRejected:
+    return BundleRejected(f"member {name!r}: {why}")
+
+
+# ---------------------------------------------------------------- reading the stream
+
+
+class _CappedReader:
+    """The decompressed stream, refused past `cap` bytes; decompression errors become
+    BundleRejected here, so that OSError from elsewhere (a full disk) stays what it is."""
+
+    def __init__(self, raw: IO[bytes], cap: int) -> None:
+        self._raw = raw
+        self._left = cap
+        self._cap = cap
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0 or size > self._left + 1:
+            size = self._left + 1
+        try:
+            data = self._raw.read(size)
+        except (OSError, EOFError, zlib.error) as e:
+            raise BundleRejected(f"not a valid gzip-compressed tar: {e}") from e
+        self._left -= len(data)
+        if self._left < 0:
+            raise BundleRejected(f"the archive unpacks to more than {self._cap} bytes")
+        return data
+
+    def drain(self) -> None:
+        """Read to the end, so a truncated or corrupt gzip trailer is seen too."""
+        while self.read(1 << 16):
+            pass
+
+
+@contextlib.contextmanager
+def _open_stream(
+    path: Path, *, max_files: int, max_bytes: int
+) -> Iterator[tuple[tarfile.TarFile, _CappedReader]]:
+    cap = max_bytes + (max_files + 1) * _HEADER_ALLOWANCE + _STREAM_SLACK
+    with path.open("rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+        reader = _CappedReader(gz, cap)
+        try:
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
+                yield tar, reader
+        except tarfile.TarError as e:
+            raise BundleRejected(f"not a valid gzip-compressed tar: {e}") from e
+
+
+# ---------------------------------------------------------------- checking members
+
+
+def _clean_name(raw: str, *, what: str, member: str) -> str:
+    """`raw` as a posix path relative to the bundle (no `.` or empty parts); refused when
+    absolute, with a `..` part, a NUL or a backslash."""
+    if "\x00" in raw or "\\" in raw:
+        raise _reject(member, f"{what} with a NUL or backslash")
+    if raw.startswith("/"):
+        raise _reject(member, f"{what} is an absolute path")
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise _reject(member, f"{what} is a path outside the bundle (a '..' part)")
+    return "/".join(parts)
+
+
+def _escapes(start: list[str], target: str, links: dict[str, str]) -> bool:
+    """Whether `target`, read from directory `start`, resolves outside the bundle root,
+    following the bundle's own symlinks as the kernel would (loops count as escapes)."""
+    todo = target.split("/")[::-1]
+    out = list(start)
+    hops = 0
+    while todo:
+        part = todo.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not out:
+                return True
+            out.pop()
+            continue
+        out.append(part)
+        link = links.get("/".join(out))
+        if link is not None:
+            hops += 1
+            if hops > _MAX_LINK_HOPS or link.startswith("/"):
+                return True
+            out.pop()
+            todo.extend(link.split("/")[::-1])
+    return False
+
+
+@dataclass
+class _Seen:
+    """What the stream held so far, checked member by member and then as a whole."""
+
+    max_files: int
+    max_bytes: int
+    count: int = 0
+    total: int = 0
+    kinds: dict[str, str] = field(default_factory=dict)
+    files: set[str] = field(default_factory=set)
+    links: dict[str, str] = field(default_factory=dict)
+
+    def add(self, member: tarfile.TarInfo) -> None:
+        raw = member.name
+        self.count += 1
+        if self.count > self.max_files:
+            raise _reject(raw, f"more than {self.max_files} entries in the bundle")
+        if not raw:
+            raise _reject(raw, "an empty name")
+        kind = _KINDS.get(member.type)
+        if kind is None or member.issparse():
+            what = _OTHER_KINDS.get(member.type, f"of tar type {member.type!r}")
+            what = "a sparse file" if member.issparse() else what
+            raise _reject(raw, f"{what}, not a regular file, directory or link")
+        self.total += member.size
+        if self.total > self.max_bytes:
+            raise _reject(raw, f"the bundle unpacks to more than {self.max_bytes} bytes")
+        name = _clean_name(raw, what="a path", member=raw)
+        if not name:
+            if kind != "dir":
+                raise _reject(raw, "an empty name")
+            return  # "./": the bundle root itself
+        self._check_name(raw, name, kind)
+        if kind == "symlink":
+            self._add_symlink(raw, name, member.linkname)
+        elif kind == "hardlink":
+            self._add_hardlink(raw, member.linkname)
+        if kind in ("file", "hardlink"):
+            self.files.add(name)
+        self.kinds[name] = kind
+
+    def _check_name(self, raw: str, name: str, kind: str) -> None:
+        top = name.split("/")[0]
+        if top in _SHADOWING:
+            raise _reject(raw, "shadows torchyard's own package (a top-level 'torchyard')")
+        if name == MARKER:
+            raise _reject(raw, "a name reserved for torchyard's completion marker")
+        before = self.kinds.get(name)
+        if before is not None and not (before == kind == "dir"):
+            raise _reject(raw, "appears twice in the bundle")
+
+    def _add_symlink(self, raw: str, name: str, target: str) -> None:
+        if not target or "\x00" in target:
+            raise _reject(raw, "a symlink with an empty or NUL target")
+        if target.startswith("/"):
+            raise _reject(raw, f"a symlink to the absolute path {target!r}")
+        start = name.split("/")[:-1]
+        if _escapes(start, target, {}):
+            raise _reject(raw, f"a symlink to {target!r}, outside the bundle")
+        self.links[name] = target
+
+    def _add_hardlink(self, raw: str, target: str) -> None:
+        if target.startswith("/"):
+            raise _reject(raw, f"a hardlink to the absolute path {target!r}")
+        clean = _clean_name(target, what="a hardlink target", member=raw)
+        if self.kinds.get(clean) not in ("file", "hardlink"):
+            raise _reject(raw, f"a hardlink to {target!r}, not a regular file before it")
+
+    def finish(self) -> Manifest:
+        """The whole-bundle checks: nothing lies beneath a file or a symlink (which would
+        write through it), and no symlink resolves outside through other symlinks."""
+        for name in self.kinds:
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                prefix = "/".join(parts[:i])
+                kind = self.kinds.get(prefix, "dir")
+                if kind != "dir":
+                    raise _reject(name, f"lies beneath {prefix!r}, a {kind}")
+        for name, target in self.links.items():
+            if _escapes(name.split("/")[:-1], target, self.links):
+                raise _reject(name, f"a symlink to {target!r}, resolving outside the bundle")
+        return Manifest(files=len(self.files), bytes=self.total, names=sorted(self.files))
+
+
+def check_archive(path: Path, *, max_files: int, max_bytes: int) -> Manifest:
+    """What the bundle at `path` holds, or BundleRejected (status 422) for anything hostile
+    or malformed. Streams: stops at the first member over `max_files` or `max_bytes`."""
+    seen = _Seen(max_files=max_files, max_bytes=max_bytes)
+    with _open_stream(path, max_files=max_files, max_bytes=max_bytes) as (tar, reader):
+        for member in tar:
+            seen.add(member)
+        reader.drain()
+    return seen.finish()
+
+
+# ---------------------------------------------------------------- the per-host cache
+
+
+def _is_ignorable(path: str, entry: os.DirEntry[str], known: dict[str, Any]) -> bool:
+    """What Python itself may add to a tree it imports from, and the marker."""
+    if path == MARKER:
+        return True
+    if entry.name == "__pycache__" and entry.is_dir(follow_symlinks=False):
+        return path not in known["dirs"]
+    if entry.name.endswith(".pyc") and entry.is_file(follow_symlinks=False):
+        return path not in known["files"]
+    return False
+
+
+def _inventory(tree: Path, known: dict[str, Any] | None) -> dict[str, Any]:
+    """Every entry under `tree`: files with [size, sha256], symlinks with their targets,
+    directories, and anything else. With `known` (a marker's inventory), Python's own
+    additions that the bundle did not hold are left out."""
+    files: dict[str, list[Any]] = {}
+    links: dict[str, str] = {}
+    dirs: list[str] = []
+    other: list[str] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(tree / rel) as entries:
+            for entry in entries:
+                path = f"{rel}/{entry.name}" if rel else entry.name
+                if known is not None and _is_ignorable(path, entry, known):
+                    continue
+                if entry.is_symlink():
+                    links[path] = os.readlink(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    dirs.append(path)
+                    stack.append(path)
+                elif entry.is_file(follow_symlinks=False):
+                    size = entry.stat(follow_symlinks=False).st_size
+                    files[path] = [size, sha256_file(Path(entry.path))]
+                else:
+                    other.append(path)
+    return {"files": files, "links": links, "dirs": sorted(dirs), "other": sorted(other)}
+
+
+def _cache_intact(tree: Path, bundle_id: str) -> bool:
+    """Whether `tree` holds every entry of the bundle unmodified (what the marker lists).
+    What jobs added beside them (their cwd is this tree) is left alone: it does not change
+    what the bundle's own modules are. Hashes every bundle file on each call: about 1 ms
+    per MB, fine for bundles of a few MB (code, not data)."""
+    marker = tree / MARKER
+    if tree.is_symlink() or not tree.is_dir() or marker.is_symlink():
+        return False
+    try:
+        saved = json.loads(marker.read_text())
+        if saved.get("version") != _MARKER_VERSION or saved.get("id") != bundle_id:
+            return False
+        for rel in saved["dirs"]:
+            if (tree / rel).is_symlink() or not (tree / rel).is_dir():
+                return False
+        for rel, target in saved["links"].items():
+            if not (tree / rel).is_symlink() or os.readlink(tree / rel) != target:
+                return False
+        for rel, (size, digest) in saved["files"].items():
+            path = tree / rel
+            if path.is_symlink() or not path.is_file() or path.stat().st_size != size:
+                return False
+            if sha256_file(path) != digest:
+                return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _write_marker(tree: Path, bundle_id: str) -> None:
+    saved = {"version": _MARKER_VERSION, "id": bundle_id, **_inventory(tree, None)}
+    del saved["other"]  # none: the check refused every other kind of member
+    (tree / MARKER).write_text(json.dumps(saved, sort_keys=True))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Put `tmp` at `final`. A stale `final` (a bundle file changed under it) is renamed
+    away, not deleted: a job running from it may still import from it. Such trees are
+    swept once a day old (`_sweep`)."""
+    if os.path.lexists(final):
+        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+        os.rename(final, old)
+        with contextlib.suppress(OSError):
+            os.utime(old)  # its age counts from now
+    os.rename(tmp, final)
+
+
+def _sweep(cache_root: Path, bundle_id: str) -> None:
+    """Remove a crash's temporary trees, and replaced trees older than OLD_TREES_KEEP_S."""
+    for stale in cache_root.glob(f".tmp-{bundle_id}-*"):
+        _remove(stale)  # under the lock nobody else unpacks this id here
+    now = time.time()
+    for old in cache_root.glob(f".old-{bundle_id}-*"):
+        with contextlib.suppress(OSError):
+            if now - old.lstat().st_mtime > OLD_TREES_KEEP_S:
+                _remove(old)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path`, between processes and between threads alike (each
+    open() is its own open file description); the kernel drops it if we die."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def unpack_cached(
+    archive: Path, bundle_id: str, cache_root: Path, *, max_files: int, max_bytes: int
+) -> Path:
+    """`cache_root/<bundle_id>`, holding the bundle unpacked: reused while its marker and
+    content check hold, else checked and unpacked afresh and swapped in atomically."""
+    _check_id(bundle_id)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    final = cache_root / bundle_id
+    with _locked(cache_root / f".lock-{bundle_id}"):
+        if _cache_intact(final, bundle_id):
+            return final
+        _sweep(cache_root, bundle_id)
+        if sha256_file(archive) != bundle_id:
+            raise BundleRejected("archive content does not match its id")
+        check_archive(archive, max_files=max_files, max_bytes=max_bytes)
+        tmp = cache_root / f".tmp-{bundle_id}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+            with _open_stream(archive, max_files=max_files, max_bytes=max_bytes) as (tar, _):
+                tar.errorlevel = 2  # every extraction problem raises
+                tar.extractall(tmp, filter="data")  # belt and braces after check_archive
+            _write_marker(tmp, bundle_id)
+            _swap_in(tmp, final)
+        finally:
+            _remove(tmp)  # gone already once swapped in
+    return final
