@@ -1,8 +1,11 @@
 """The import rules of docs/architecture.md, read from the source with `ast` (every import statement,
 also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("literal")):
 
-- `trainer` imports nothing of ours and no service library (fastapi, celery, sqlalchemy,
-  redis, kombu, …): it runs under plain torchrun.
+- `trainer` imports nothing of ours but `torchyard.job` (the module a script job's own code
+  talks to, whose backend the trainer installs) and no service library (fastapi, celery,
+  sqlalchemy, redis, kombu, …): it runs under plain torchrun.
+- `torchyard/job.py` imports torch and the standard library only at module level (and
+  safetensors inside a function), so that a user's script needs nothing else of ours.
 - `trainer/spec.py` imports pydantic only (and the standard library), never torch;
   `trainer/eventmodel.py` likewise; `trainer/__init__.py`, `trainer/exitcodes.py`,
   `trainer/eventfiles.py` and `trainer/parent.py` import the standard library only, so
@@ -137,13 +140,58 @@ def _violations(imports: list[Import], bad) -> list[str]:
     return [str(i) for i in imports if bad(i)]
 
 
+TRAINER_MAY_IMPORT = {"torchyard.job"}  # of ours, outside trainer/
+
+
 def test_trainer_imports_nothing_of_ours_and_no_service_library() -> None:
     found = package_imports("trainer")
     assert found, "parsed nothing"
     bad = _violations(
-        found, lambda i: (i.top in OURS and i.top != "trainer") or i.top in SERVICE_LIBS
+        found,
+        lambda i: (
+            (i.top in OURS and i.top != "trainer" and i.module not in TRAINER_MAY_IMPORT)
+            or i.top in SERVICE_LIBS
+        ),
     )
     assert not bad, "\n".join(bad)
+
+
+def _top_level_imports(path: Path) -> list[Import]:
+    """The imports a module runs when it is imported: its top-level statements (also inside
+    top-level `if`/`try`), not those inside functions or classes."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    todo, found = list(tree.body), []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found += [_imp(path, node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append(_imp(path, node.lineno, node.module or ""))
+        elif isinstance(node, ast.If | ast.Try):
+            todo += [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
+            todo += [n for h in getattr(node, "handlers", []) for n in h.body]
+    return found
+
+
+def test_the_job_module_imports_only_torch_and_the_standard_library() -> None:
+    """`torchyard.job` is what a user's script imports, also run by hand: torch and the
+    standard library at import time; safetensors only inside the function that needs it."""
+    path = REPO / "torchyard" / "job.py"
+    top = _top_level_imports(path)
+    assert top, "parsed nothing"
+    bad = _violations(top, lambda i: i.top not in STDLIB | {"torch"})
+    assert not bad, "\n".join(bad)
+    bad = _violations(imports_of(path), lambda i: i.top not in STDLIB | {"torch", "safetensors"})
+    assert not bad, "\n".join(bad)
+    code = (
+        "import sys, torchyard.job; "
+        "print(','.join(sorted(m for m in sys.modules if m.startswith(('torchyard.', "
+        "'safetensors', 'pydantic')) and m != 'torchyard.job')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={"PATH": ""})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"loaded: {out.stdout.strip()}"
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import random
 import re
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import save as safetensors_save
+
+from torchyard.job import write_file_atomic
 
 CHECKPOINT_DIR = "checkpoints"
 WEIGHTS_FILE = "model.safetensors"
@@ -48,24 +49,10 @@ class Written:
 
 
 def write_atomic(run_dir: Path, relative: str, data: bytes | memoryview) -> Written:
-    """Write `data` to run_dir/relative so that the name only ever holds a complete file."""
-    final = run_dir / relative
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a power loss
-    finally:
-        os.close(fd)
+    """Write `data` to run_dir/relative so that the name only ever holds a complete file
+    (temp file, fsync, rename, fsync the directory: torchyard.job's writer, which scripts
+    use by hand too)."""
+    write_file_atomic(run_dir / relative, data)
     return Written(relative, len(data), hashlib.sha256(data).hexdigest())
 
 
@@ -162,3 +149,41 @@ def export_weights(
     """The trained weights as safetensors (loadable without pickle)."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     return write_atomic(run_dir, WEIGHTS_FILE, safetensors_save(tensors, metadata=meta))
+
+
+# ---------------------------------------------------------------------------- warm start
+
+
+def init_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a file the spec's `init` names: final weights (safetensors) or a
+    resume checkpoint's model (weights_only). Not its optimizer: a warm start, not a resume."""
+    from safetensors.torch import load_file
+
+    from torchyard.trainer.failures import InitError
+
+    if path.suffix == ".safetensors":
+        return load_file(str(path), device="cpu")
+    ckpt = load_checkpoint(path)
+    model = ckpt.get("model")
+    if not isinstance(model, dict):
+        raise InitError(f"{path.name}: a checkpoint without model weights (a script job's?)")
+    return model
+
+
+def load_init(net: torch.nn.Module, path: Path) -> None:
+    """Start `net` from the weights in `path`, or InitError naming every tensor that does
+    not fit (missing, unexpected, or of another shape)."""
+    from torchyard.trainer.failures import InitError
+
+    state, mine = init_state(path), net.state_dict()
+    problems = [f"missing {k}" for k in mine if k not in state]
+    problems += [f"unexpected {k}" for k in state if k not in mine]
+    problems += [
+        f"{k}: {list(v.shape)} in the checkpoint, {list(mine[k].shape)} in this model"
+        for k, v in state.items()
+        if k in mine and v.shape != mine[k].shape
+    ]
+    if problems:
+        shown = "; ".join(problems[:20]) + ("; …" if len(problems) > 20 else "")
+        raise InitError(f"the init weights do not fit this model: {shown}")
+    net.load_state_dict(state)

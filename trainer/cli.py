@@ -1,5 +1,5 @@
-"""`python -m torchyard.trainer --spec SPEC.json --run-dir DIR [--resume CKPT|latest]`
-(`--standby` alone: a warm trainer that reads its job from the worker, trainer/standby.py).
+"""`python -m torchyard.trainer --spec SPEC.json --run-dir DIR [--resume CKPT|latest]
+[--code-dir DIR] [--init WEIGHTS]` (`--standby` alone: a warm trainer that reads its job from the worker, trainer/standby.py).
 
 Under torchrun every rank runs this same command:
 
@@ -10,6 +10,10 @@ Under torchrun every rank runs this same command:
 The exit status is one of trainer/exitcodes.py. A bad spec, command line or
 TORCHYARD_ATTEMPT (the worker's attempt number, stamped on every event: trainer/events.py)
 exits 2 with one line per problem on stderr and writes nothing.
+
+`--code-dir` is the job's unpacked code bundle: it goes first on `sys.path` and becomes the
+working directory, so the user's modules import as in their own checkout. `--init` is the
+file whose weights start the model (the spec's `init`, found by the worker).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class Job:
     attempt: int | None  # TORCHYARD_ATTEMPT, stamped on every event
     run_dir: Path
     resume: Path | None
+    code_dir: Path | None = None
+    init: Path | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
         "--resume",
         help="resume checkpoint to continue from; `latest` picks the newest in the run dir (if any)",
     )
+    p.add_argument(
+        "--code-dir", type=Path, help="the job's code bundle: first on sys.path, the cwd"
+    )
+    p.add_argument("--init", type=Path, help="weights to start the model from (spec `init`)")
     return p
 
 
@@ -81,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as e:
         print(f"trainer: {e}", file=sys.stderr)
         return exitcodes.BAD_SPEC
+    enter_code_dir(job.code_dir)
     return _train(job, d, stop)
 
 
@@ -118,9 +129,29 @@ def read_job(args: argparse.Namespace) -> Job:
     except ValueError as e:
         raise Refused(str(e)) from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if problem := batch_split_problem(spec.batch_size, world):
+    if spec.entrypoint is None and (problem := batch_split_problem(spec.batch_size, world)):
         raise Refused(f"batch_size {spec.batch_size} {problem}, the ranks this run has")
-    return Job(spec, attempt, args.run_dir, _resume_path(args.resume, args.run_dir))
+    for flag, path, is_dir in (("--code-dir", args.code_dir, True), ("--init", args.init, False)):
+        if path is not None and not (path.is_dir() if is_dir else path.is_file()):
+            raise Refused(f"{flag} {path}: no such {'directory' if is_dir else 'file'}")
+    if spec.entrypoint is not None and args.code_dir is None:
+        raise Refused("a spec with `entrypoint` needs --code-dir (the bundle holding the script)")
+    return Job(
+        spec,
+        attempt,
+        args.run_dir.absolute(),
+        _resume_path(args.resume, args.run_dir.absolute()),
+        code_dir=args.code_dir.absolute() if args.code_dir else None,
+        init=args.init.absolute() if args.init else None,
+    )
+
+
+def enter_code_dir(code_dir: Path | None) -> None:
+    """The bundle first on sys.path and as the working directory (before any user import)."""
+    if code_dir is None:
+        return
+    sys.path.insert(0, str(code_dir))
+    os.chdir(code_dir)
 
 
 def _resume_path(arg: str | None, run_dir: Path) -> Path | None:
@@ -132,7 +163,7 @@ def _resume_path(arg: str | None, run_dir: Path) -> Path | None:
         return None
     if not Path(arg).is_file():
         raise Refused(f"--resume {arg}: no such file")
-    return Path(arg)
+    return Path(arg).absolute()  # the cwd may become the code bundle
 
 
 def _install_stop_handlers(stop: StopFlag) -> None:
@@ -180,7 +211,13 @@ def _train(job: Job, d: Dist, stop: StopFlag) -> int:
             resume=job.resume,
             stop=stop,
             log=lambda s: print(s, flush=True),
+            init=job.init,
         )
+        if job.spec.entrypoint is not None:
+            from torchyard.trainer.script import run_script
+
+            assert job.code_dir is not None
+            return run_script(job.spec, r, job.code_dir)
         return run(job.spec, r)
     finally:
         events.close()

@@ -1,4 +1,5 @@
-"""Data sets as uint8 tensors, and the two ways batches reach the model.
+"""Data sets as uint8 tensors (or, for ImageFolder sets and the user's own, map-style
+datasets read through a DataLoader), and the two ways batches reach the model.
 
 Every set is read once into host memory as uint8 images `(N, C, H, W)` (or `(N, D)`) plus
 int64 labels; `synthetic` can also produce any sample on demand, so sets larger than
@@ -31,7 +32,9 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from torchyard.trainer.failures import UserCodeError
 from torchyard.trainer.spec import DATASET_FILES, DataSpec, dataset_file, missing_dataset_files
+from torchyard.trainer.usercode import call_user, load_factory
 
 # The validation split of sets without a test split is fixed (not drawn from the job's seed),
 # so jobs with different seeds are compared on the same held-out samples.
@@ -51,6 +54,8 @@ EVAL_BATCH = 1024
 LOADERS = ("auto", "device", "dataloader")  # DataSpec.loader's values
 # Synthetic samples: class prototype + Gaussian noise of this std (uint8 units), clipped.
 SYNTHETIC_NOISE = 60.0
+# ImageFolder sets are normalised with ImageNet's statistics (torchvision's convention).
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 class DataError(Exception):
@@ -137,7 +142,43 @@ class SyntheticSource(torch.utils.data.Dataset):
         return self.count * math.prod(self.shape)
 
 
-Source = TensorSource | SyntheticSource
+class ItemSource(torch.utils.data.Dataset):
+    """A map-style dataset of `(input_tensor, int_label)` items (ImageFolder's, or the user's),
+    given a batch at a time like the other sources, so DataLoader workers gather whole
+    batches. A failure reading an item is the data set's: `error` is DataError for
+    ImageFolder and UserCodeError for the user's own (raised in the main process too,
+    since the DataLoader re-raises a worker's exception with its type and message)."""
+
+    def __init__(self, items: torch.utils.data.Dataset, classes: int, what: str, error: type):
+        self.items, self.classes, self.what, self.error = items, classes, what, error
+
+    def __len__(self) -> int:
+        return len(self.items)  # type: ignore[arg-type]
+
+    def item(self, i: int) -> tuple[torch.Tensor, int]:
+        try:
+            x, y = self.items[i]
+        except Exception as e:
+            raise self.error(f"{self.what}: reading item {i}: {type(e).__name__}: {e}") from e
+        if not isinstance(x, torch.Tensor) or isinstance(y, bool):
+            raise self.error(f"{self.what}: item {i} is not (input tensor, int label)")
+        label = int(y)  # an int, or a 0-d integer tensor
+        if not 0 <= label < self.classes:
+            raise self.error(
+                f"{self.what}: item {i} has label {label}, not in 0..{self.classes - 1}"
+            )
+        return x, label
+
+    def __getitem__(self, idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.item(int(i)) for i in idx]
+        return torch.stack([x for x, _ in pairs]), torch.tensor([y for _, y in pairs])
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # read from disk batch by batch: never resident
+
+
+Source = TensorSource | SyntheticSource | ItemSource
 
 
 @dataclass
@@ -149,6 +190,7 @@ class DataSet:
     num_classes: int
     mean: list[float]
     std: list[float]
+    streamed: bool = False  # item by item through a DataLoader: never on the device whole
 
 
 # ---------------------------------------------------------------------------- readers
@@ -257,9 +299,75 @@ def _split(src: TensorSource, val_fraction: float) -> tuple[TensorSource, Tensor
     return TensorSource(x[train_i], y[train_i]), TensorSource(x[val_i], y[val_i])
 
 
+def load_imagefolder(spec: DataSpec, data_root: Path) -> DataSet:
+    """`imagefolder/<dir>`: `<root>/<dir>/{train,val}/<class>/*` images, with the usual train
+    augmentation (random resized crop, flip) and eval transform (resize, center crop)."""
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    if missing := missing_dataset_files(spec.name, data_root):
+        raise DataError(
+            f"data set '{spec.name}' is not on disk: looked for "
+            + ", ".join(f"{p}/" for p in missing)
+            + f" (data root {data_root})"
+        )
+    size, norm = spec.crop, T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+    eval_tf = T.Compose([T.Resize(round(size * 256 / 224)), T.CenterCrop(size), T.ToTensor(), norm])
+    top = data_root / spec.folder
+    try:
+        train = datasets.ImageFolder(str(top / "train"), transform=train_tf)
+        val = datasets.ImageFolder(str(top / "val"), transform=eval_tf)
+    except (FileNotFoundError, OSError) as e:
+        raise DataError(f"data set '{spec.name}': {e}") from None
+    if train.classes != val.classes:
+        raise DataError(
+            f"data set '{spec.name}': train has classes {train.classes}, val {val.classes}"
+        )
+    k = len(train.classes)
+    return DataSet(
+        spec.name,
+        ItemSource(train, k, spec.name, DataError),
+        ItemSource(val, k, spec.name, DataError),
+        (3, size, size),
+        k,
+        [0.0],
+        [1.0],  # the transform normalises
+        streamed=True,
+    )
+
+
+def load_factory_data(spec: DataSpec, data_root: Path) -> DataSet:
+    """`module:function`: the user's `function(root=, **args) -> (train, val, num_classes)`."""
+    name = spec.name
+    fn = load_factory(name)
+    out = call_user(f"building the data set {name}", fn, root=data_root, **(spec.args or {}))
+    if not isinstance(out, tuple | list) or len(out) != 3:
+        raise UserCodeError(
+            f"data set {name} returned {type(out).__name__}, not "
+            "(train_dataset, val_dataset, num_classes)"
+        )
+    train, val, k = out
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UserCodeError(f"data set {name}: num_classes must be a positive int, not {k!r}")
+    for part, ds in (("train", train), ("val", val)):
+        if ds is not None and not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            raise UserCodeError(f"data set {name}: {part} is not a map-style dataset")
+    if len(train) == 0:
+        raise UserCodeError(f"data set {name}: the training set is empty")
+    src = ItemSource(train, k, name, UserCodeError)
+    x, _ = src.item(0)
+    val_src = ItemSource(val, k, name, UserCodeError) if val is not None and len(val) else None
+    return DataSet(name, src, val_src, tuple(x.shape), k, [0.0], [1.0], streamed=True)
+
+
 def load_dataset(spec: DataSpec, data_root: Path, seed: int) -> DataSet:
     """Read (or generate) the data set of a spec. Raises DataError naming the files looked for."""
     name = spec.name
+    if spec.kind == "imagefolder":
+        return load_imagefolder(spec, data_root)
+    if spec.kind == "factory":
+        return load_factory_data(spec, data_root)
     if name == "digits":
         images, target = read_digits()
         src = _to_source(images[:, None], target, 10, "digits")
@@ -387,7 +495,12 @@ class Batches:
         self.steps_per_epoch = steps_per_epoch(self.n_train, per_rank_batch, world)
         total = ds.train.nbytes + (ds.val.nbytes if ds.val is not None else 0)
         budget = memory_budget(device)
-        self.mode = loader if loader != "auto" else ("device" if total <= budget else "dataloader")
+        if ds.streamed:
+            self.mode = "dataloader"
+        else:
+            self.mode = (
+                loader if loader != "auto" else ("device" if total <= budget else "dataloader")
+            )
         self.prenormalised = self.mode == "device" and 4 * total <= budget
         # On a GPU, one gather per epoch into a shuffled copy makes every batch a contiguous
         # slice: two kernel launches fewer per step (when the copy fits too). On a CPU a batch

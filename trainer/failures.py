@@ -2,7 +2,10 @@
 
 The kinds decide what the scheduler does (worker/outcome.py): `data`, `out_of_memory`,
 `nonfinite_loss` and `unsupported` (an op `deterministic: true` cannot run) are the job's
-own and fail it at once; `storage_full` is the worker's and
+own and fail it at once, as do `user_code` (an exception raised by, or a wrong value
+returned from, the user's model, data set or script: `UserCodeError`), `init` (the
+spec's `init` weights do not fit the model) and `spec` (it names a model this worker's
+torchvision lacks); `storage_full` is the worker's and
 hands the job back; `peer_failed` means another rank died first (its worker reports the
 real cause), and `internal` is retried.
 
@@ -94,6 +97,20 @@ def storage_full(e: BaseException, run_dir: Path) -> bool:
     return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
 
 
+class UserCodeError(Exception):
+    """The user's code failed: an exception in their factory or script (chained as
+    `__cause__`, its traceback printed to the job log) or a wrong return value."""
+
+
+class SpecProblem(Exception):
+    """The spec names something this worker does not have (a torchvision model that its
+    torchvision does not list); the API cannot check it without torch."""
+
+
+class InitError(Exception):
+    """The spec's `init` weights cannot start this model (missing, mismatched tensors)."""
+
+
 def classify(e: BaseException, run_dir: Path) -> tuple[str, int]:
     """(error kind, exit code) for an exception that ended training. OOM first: a rank that
     ran out of memory inside a collective is the cause, not a victim."""
@@ -101,6 +118,12 @@ def classify(e: BaseException, run_dir: Path) -> tuple[str, int]:
         return "out_of_memory", exitcodes.OUT_OF_MEMORY
     if storage_full(e, run_dir):
         return "storage_full", exitcodes.STORAGE_FULL
+    if isinstance(e, UserCodeError):
+        return "user_code", exitcodes.FAILED
+    if isinstance(e, InitError):
+        return "init", exitcodes.FAILED
+    if isinstance(e, SpecProblem):
+        return "spec", exitcodes.FAILED
     if is_peer_failure(e):
         return "peer_failed", exitcodes.FAILED
     if any(isinstance(x, RuntimeError) and NO_DETERMINISTIC_KERNEL in str(x) for x in chain(e)):

@@ -40,6 +40,7 @@ from torchyard.trainer.checkpoint import (
     capture_rng,
     export_weights,
     load_checkpoint,
+    load_init,
     prune,
     restore_rng,
     save_checkpoint,
@@ -55,7 +56,7 @@ from torchyard.trainer.distributed import (
 )
 from torchyard.trainer.envinfo import versions
 from torchyard.trainer.events import EventSink
-from torchyard.trainer.failures import classify
+from torchyard.trainer.failures import InitError, SpecProblem, UserCodeError, classify
 from torchyard.trainer.models import build_model
 from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
 from torchyard.trainer.signals import StopFlag
@@ -65,6 +66,7 @@ from torchyard.trainer.spec import JobSpec, batch_split_problem, spec_to_dict
 # interval under DDP, where every rank must agree on the step to stop at.
 MAX_SYNC_EVERY = 10
 PROGRESS_EVERY_S = 1.0
+OURS = (UserCodeError, InitError, SpecProblem)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Run:
     resume: Path | None = None
     stop: StopFlag = field(default_factory=StopFlag)
     log: Callable[[str], None] = print
+    init: Path | None = None  # weights that start the model (the spec's `init`)
 
 
 @dataclass
@@ -126,7 +129,9 @@ def run(spec: JobSpec, r: Run) -> int:
         kind, code = classify(e, r.run_dir)
         if kind == "internal":
             traceback.print_exc(file=sys.stderr)
-        return _fail(r, kind, f"{type(e).__name__}: {e}", pos, code)
+        # Our own error types say what happened in their message; others need their name.
+        message = str(e) if isinstance(e, OURS) else f"{type(e).__name__}: {e}"
+        return _fail(r, kind, message, pos, code)
 
 
 def _fail(r: Run, kind: str, message: str, pos: Position, code: int) -> int:
@@ -143,6 +148,7 @@ def _fail(r: Run, kind: str, message: str, pos: Position, code: int) -> int:
 
 def build_data(spec: JobSpec, d: Dist, data_root: Path) -> tuple[DataSet, Batches]:
     """The spec's data set and this rank's share of each batch, on the device when it fits."""
+    assert spec.data is not None
     if problem := batch_split_problem(spec.batch_size, d.world_size):
         raise DataError(f"batch_size {spec.batch_size} {problem}")
     ds = load_dataset(spec.data, data_root, spec.seed)
@@ -165,11 +171,16 @@ def build_data(spec: JobSpec, d: Dist, data_root: Path) -> tuple[DataSet, Batche
     return ds, batches
 
 
-def build_net(spec: JobSpec, ds: DataSet, d: Dist, channels_last: bool) -> tuple[nn.Module, bool]:
-    """The spec's model on the device, with the same initial weights on every rank;
-    (model, whether its BatchNorms were made SyncBatchNorm)."""
+def build_net(
+    spec: JobSpec, ds: DataSet, d: Dist, channels_last: bool, init: Path | None = None
+) -> tuple[nn.Module, bool]:
+    """The spec's model on the device, with the same initial weights on every rank (the
+    seed's, or those of `init`); (model, whether its BatchNorms were made SyncBatchNorm)."""
+    assert spec.model is not None
     torch.manual_seed(spec.seed)
     net = build_model(spec.model, ds.sample_shape, ds.num_classes)
+    if init is not None:
+        load_init(net, init)
     sync_bn = d.ddp and d.device.type == "cuda" and has_batchnorm(net)
     if sync_bn:
         # Statistics over the global batch, as one GPU would compute them. SyncBatchNorm
@@ -198,7 +209,9 @@ class Trainer:
         self.ds, self.batches = build_data(spec, self.d, r.data_root)
         spe = self.batches.steps_per_epoch
         self.total_steps = min(spec.epochs * spe, spec.max_steps or sys.maxsize)
-        self.net, self.sync_bn = build_net(spec, self.ds, self.d, self.batches.channels_last)
+        # A resumed attempt starts from its own checkpoint, not from `init`.
+        init = r.init if r.resume is None else None
+        self.net, self.sync_bn = build_net(spec, self.ds, self.d, self.batches.channels_last, init)
         self.opt = build_optimizer(spec, self.net, self.device)
         # One step path for every precision, as in nanoGPT: fp16 needs loss scaling (its
         # gradients underflow), bf16 and fp32 do not, and a disabled scaler passes through.
@@ -529,7 +542,7 @@ class Trainer:
         """The final weights as safetensors, then `finished` (rank 0)."""
         pos, ds = self.pos, self.ds
         meta = {
-            "model": self.spec.model.name,
+            "model": self.spec.model.name if self.spec.model else "",
             "num_classes": str(ds.num_classes),
             "input_shape": ",".join(map(str, ds.sample_shape)),
             "step": str(pos.step),

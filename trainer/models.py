@@ -1,4 +1,6 @@
-"""The models a spec can name. Input shape and class count come from the data."""
+"""The models a spec can name: built in (`mlp`, `lenet`, `resnet18`), any torchvision
+classification model (`torchvision/<name>`, random init) or the user's factory
+(`module:function`). Input shape and class count come from the data."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import math
 import torch
 from torch import nn
 
+from torchyard.trainer.failures import SpecProblem, UserCodeError
 from torchyard.trainer.spec import ModelSpec
+from torchyard.trainer.usercode import call_user, load_factory
 
 
 def mlp(in_features: int, hidden: list[int], num_classes: int) -> nn.Module:
@@ -72,8 +76,42 @@ def resnet18(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return m
 
 
+def torchvision_model(name: str, num_classes: int, args: dict[str, object]) -> nn.Module:
+    """`torchvision/<name>`: any classification model torchvision lists, built with
+    `weights=None` (nothing is downloaded) and the data's class count."""
+    import torchvision.models as tvm
+
+    known = tvm.list_models(module=tvm)
+    if name not in known:
+        raise SpecProblem(
+            f"model.name: torchvision has no classification model {name!r}; it has "
+            + ", ".join(known)
+        )
+    try:
+        return tvm.get_model(name, weights=None, num_classes=num_classes, **args)
+    except (TypeError, ValueError) as e:  # model.args it does not take
+        raise SpecProblem(f"model.args: torchvision/{name}: {e}") from e
+
+
+def factory_model(
+    name: str, in_shape: tuple[int, ...], num_classes: int, args: dict[str, object]
+) -> nn.Module:
+    """`module:function`: the user's factory, `function(in_shape=, num_classes=, **args)`."""
+    fn = load_factory(name)
+    net = call_user(
+        f"building the model {name}", fn, in_shape=in_shape, num_classes=num_classes, **args
+    )
+    if not isinstance(net, nn.Module):
+        raise UserCodeError(f"model {name} returned {type(net).__name__}, not a torch.nn.Module")
+    return net
+
+
 def build_model(spec: ModelSpec, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The spec's model for samples of `in_shape`; the caller seeds torch first."""
+    if spec.kind == "torchvision":
+        return torchvision_model(spec.name.partition("/")[2], num_classes, spec.args or {})
+    if spec.kind == "factory":
+        return factory_model(spec.name, tuple(in_shape), num_classes, spec.args or {})
     if spec.name == "mlp":
         return mlp(math.prod(in_shape), spec.hidden_sizes, num_classes)
     if len(in_shape) != 3:

@@ -15,15 +15,17 @@ too large for the server (estimated without torch: `model_parameters`, `data_byt
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-ModelName = Literal["mlp", "lenet", "resnet18"]
-DataName = Literal["digits", "mnist", "fashion_mnist", "cifar10", "synthetic"]
+BUILTIN_MODELS = ("mlp", "lenet", "resnet18")
+BUILTIN_DATA = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
 OptimizerName = Literal["sgd", "adam", "adamw"]
 ScheduleName = Literal["constant", "cosine", "onecycle"]
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
@@ -34,6 +36,59 @@ CONV_MODELS = frozenset({"lenet", "resnet18"})
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
 
 PositiveInt = Annotated[int, Field(gt=0)]
+
+# `module:function`: a factory in the job's code bundle or in a package installed on the
+# workers. Dotted identifiers only (never a path); our own namespace cannot be named.
+FACTORY_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+TORCHVISION_RE = re.compile(r"^torchvision/[a-z][a-z0-9_]*$")
+# `imagefolder/<dir>`: one name under the data root, never a path (no `/`, no `..`).
+IMAGEFOLDER_RE = re.compile(r"^imagefolder/[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
+# An entrypoint script: a relative path inside the bundle, ending in .py.
+SCRIPT_RE = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*\.py$")
+BUNDLE_ID_RE = r"^[0-9a-f]{64}$"
+JOB_ID_RE = r"^[0-9a-f]{32}$"
+MAX_ARGS_JSON = 65_536  # model.args / data.args, as JSON
+
+
+def is_factory(name: str) -> bool:
+    return FACTORY_RE.fullmatch(name) is not None
+
+
+def _name_problem(
+    name: str, kind: str, builtin: tuple[str, ...], other: tuple[str, str]
+) -> str | None:
+    """What is wrong with a model or data set name of `kind`, or None. `other` is the
+    non-factory form besides the built-ins: (its kind, how it is written, e.g. 'torchvision/<name>')."""
+    if kind == "builtin":
+        if name in builtin:
+            return None
+        return f"must be one of {', '.join(map(repr, builtin))}, '{other}' or 'module:function'"
+    if kind == "factory":
+        if not is_factory(name):
+            return "must be 'module:function' (dotted module, one colon)"
+        if name.split(".")[0].split(":")[0] == "torchyard":
+            return "torchyard's own modules cannot be named"
+        return None
+    pattern = TORCHVISION_RE if kind == "torchvision" else IMAGEFOLDER_RE
+    if pattern.fullmatch(name):
+        return None
+    if kind == "torchvision":
+        return "must be 'torchvision/<name>' with a lowercase model name"
+    return "must be 'imagefolder/<dir>' with <dir> one name under the data root"
+
+
+def _args_problems(args: dict[str, Any] | None, kind: str, what: str) -> list[tuple[str, str]]:
+    if args is None:
+        return []
+    if kind == "builtin":
+        return [("args", f"only applies to 'module:function'{what} names")]
+    try:
+        size = len(json.dumps(args))
+    except (TypeError, ValueError):
+        return [("args", "must hold JSON values only")]
+    if size > MAX_ARGS_JSON:
+        return [("args", f"must be at most {MAX_ARGS_JSON} bytes as JSON")]
+    return []
 
 
 class _Strict(BaseModel):
@@ -51,15 +106,30 @@ def _problems(problems: list[tuple[str, str]]) -> None:
 
 
 class ModelSpec(_Strict):
-    name: ModelName
-    """Architecture: `mlp`, `lenet` (conv 6-16, fc 120-84) or `resnet18` (small-image stem)."""
+    name: str = Field(min_length=1, max_length=200)
+    """Built in: `mlp`, `lenet` (conv 6-16, fc 120-84) or `resnet18` (small-image stem);
+    `torchvision/<name>`: any torchvision classification model (random init); or
+    `module:function`: your factory, called as `function(in_shape=..., num_classes=...,
+    **args)` and returning an `nn.Module`."""
     hidden: list[PositiveInt] | None = Field(default=None, max_length=16)
     """Hidden layer widths of the `mlp` (default [128]); not allowed for other models."""
+    args: dict[str, Any] | None = None
+    """Keyword arguments for a `torchvision/<name>` model or a `module:function` factory."""
+
+    @property
+    def kind(self) -> Literal["builtin", "torchvision", "factory"]:
+        if self.name.startswith("torchvision/"):
+            return "torchvision"
+        return "factory" if ":" in self.name else "builtin"
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         problems = []
-        if self.hidden is not None and self.name != "mlp":
+        kind = self.kind
+        if problem := _name_problem(self.name, kind, BUILTIN_MODELS, "torchvision/<name>"):
+            problems.append(("name", problem))
+        problems += _args_problems(self.args, kind, "/'torchvision/<name>'")
+        if self.hidden is not None and self.name != "mlp" and not problems:
             problems.append(("hidden", f"only applies to model 'mlp', not '{self.name}'"))
         if self.hidden is not None and any(h > 65536 for h in self.hidden):
             problems.append(("hidden", "each width must be <= 65536"))
@@ -72,9 +142,16 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    name: DataName
+    name: str = Field(min_length=1, max_length=212)
     """`digits` (bundled with scikit-learn), `mnist`, `fashion_mnist`, `cifar10` (read from
-    the server's data root), or `synthetic` (deterministic, learnable, any shape)."""
+    the server's data root), `synthetic` (deterministic, learnable, any shape),
+    `imagefolder/<dir>` (`<data root>/<dir>/{train,val}/<class>/*` images), or
+    `module:function`: your factory, called as `function(root=<data root>, **args)` and
+    returning `(train_dataset, val_dataset, num_classes)`."""
+    args: dict[str, Any] | None = None
+    """`module:function` only: keyword arguments for the factory."""
+    image_size: int | None = Field(default=None, ge=8, le=4096)
+    """`imagefolder/<dir>` only: side of the square crop the model sees (default 224)."""
     val_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     """Share of the training set held out for validation when the set has no test split."""
     shape: list[PositiveInt] | None = Field(default=None, min_length=1, max_length=3)
@@ -89,9 +166,34 @@ class DataSpec(_Strict):
     num_workers: int = Field(default=2, ge=0, le=64)
     """DataLoader worker processes (only with the `dataloader` path)."""
 
+    @property
+    def kind(self) -> Literal["builtin", "imagefolder", "factory"]:
+        if self.name.startswith("imagefolder/"):
+            return "imagefolder"
+        return "factory" if ":" in self.name else "builtin"
+
+    @property
+    def folder(self) -> str:
+        """`imagefolder/<dir>`: the `<dir>`."""
+        return self.name.partition("/")[2]
+
+    @property
+    def crop(self) -> int:
+        return self.image_size if self.image_size is not None else 224
+
     @model_validator(mode="after")
     def _check(self) -> DataSpec:
         problems = []
+        kind = self.kind
+        if problem := _name_problem(self.name, kind, BUILTIN_DATA, "imagefolder/<dir>"):
+            problems.append(("name", problem))
+        problems += _args_problems(self.args if kind != "imagefolder" else None, kind, "")
+        if self.args is not None and kind == "imagefolder":
+            problems.append(("args", "only applies to 'module:function' names"))
+        if self.image_size is not None and kind != "imagefolder":
+            problems.append(("image_size", "only applies to 'imagefolder/<dir>'"))
+        if kind != "builtin" and self.loader == "device":
+            problems.append(("loader", f"'device' needs a built-in data set, not '{self.name}'"))
         if self.name != "synthetic":
             for f in ("shape", "num_classes", "size"):
                 if getattr(self, f) is not None:
@@ -181,6 +283,38 @@ class CheckpointSpec(_Strict):
     """Resume checkpoints kept on disk; older ones are deleted."""
 
 
+class CodeSpec(_Strict):
+    bundle: str = Field(pattern=BUNDLE_ID_RE)
+    """Id (sha256) of a code bundle you uploaded (POST /v1/bundles, or `submit --code DIR`)."""
+
+
+class InitSpec(_Strict):
+    from_job: str = Field(pattern=JOB_ID_RE)
+    """Another job of yours whose weights start this one (not its optimizer)."""
+    checkpoint: Literal["latest", "weights"] | Annotated[int, Field(ge=0)] = "latest"
+    """`latest`: its final weights when it finished, else its newest resume checkpoint;
+    `weights`: its final weights only; a number: its resume checkpoint of that step."""
+
+
+class EntrypointSpec(_Strict):
+    script: str = Field(min_length=4, max_length=500)
+    """A Python file in the bundle, relative to its top (`train.py`, `scripts/train.py`)."""
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(default=[], max_length=1000)
+    """Its command-line arguments (`sys.argv[1:]`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EntrypointSpec:
+        if not SCRIPT_RE.fullmatch(self.script):
+            _problems([("script", "must be a relative path to a .py file inside the bundle")])
+        return self
+
+
+# What a script job may set besides its entrypoint: the rest configures torchyard's loop.
+SCRIPT_FIELDS = frozenset(
+    {"name", "code", "entrypoint", "world_size", "seed", "checkpoint", "max_restarts", "priority"}
+)
+
+
 def batch_split_problem(batch_size: int, world_size: int) -> str | None:
     """Why a global batch cannot be split evenly over `world_size` ranks, or None. The one rule:
     the spec's own check, the trainer's command line (the world torchrun gives) and the
@@ -191,13 +325,21 @@ def batch_split_problem(batch_size: int, world_size: int) -> str | None:
 
 
 class JobSpec(_Strict):
-    """A training job. Only `model`, `data` and `optimizer` are required."""
+    """A training job: `model`, `data` and `optimizer` for torchyard's loop, or `entrypoint`
+    and `code` for your own script."""
 
     name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[\w.\- ]+$")
-    """Display name (default: `<data>-<model>`)."""
-    model: ModelSpec
-    data: DataSpec
-    optimizer: OptimizerSpec
+    """Display name (default: `<data>-<model>`, or the script's name)."""
+    model: ModelSpec | None = None
+    data: DataSpec | None = None
+    optimizer: OptimizerSpec | None = None
+    code: CodeSpec | None = None
+    """Your code bundle: first on the trainer's `sys.path`, its working directory."""
+    entrypoint: EntrypointSpec | None = None
+    """Run this script of the bundle (under torchrun, one rank per worker) instead of
+    torchyard's loop; it talks to torchyard through `torchyard.job`."""
+    init: InitSpec | None = None
+    """Start the model's weights from another job's."""
     schedule: ScheduleSpec = ScheduleSpec()
     batch_size: int = Field(default=128, ge=1, le=1_048_576)
     """Global batch: with world_size N each rank takes batch_size / N."""
@@ -229,7 +371,24 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
-        problems = []
+        problems = self._script_problems() if self.entrypoint else self._loop_problems()
+        _problems(problems)
+        return self
+
+    def _script_problems(self) -> list[tuple[str, str]]:
+        problems = [
+            (f, "not allowed with 'entrypoint' (the script builds its own)")
+            for f in sorted(self.model_fields_set - SCRIPT_FIELDS)
+        ]
+        if self.code is None:
+            problems.append(("code", "required with 'entrypoint': the bundle holding the script"))
+        return problems
+
+    def _loop_problems(self) -> list[tuple[str, str]]:
+        missing = [("model", self.model), ("data", self.data), ("optimizer", self.optimizer)]
+        problems = [(f, "required (or give 'entrypoint' and 'code')") for f, v in missing if not v]
+        if problems or self.model is None or self.data is None:
+            return problems
         if problem := batch_split_problem(self.batch_size, self.world_size):
             problems.append(("batch_size", problem))
         shape = self.data.sample_shape
@@ -242,12 +401,25 @@ class JobSpec(_Strict):
                 problems.append(
                     ("data.shape", f"model '{self.model.name}' needs height, width >= 4")
                 )
-        _problems(problems)
-        return self
+        return problems
 
     @property
     def display_name(self) -> str:
-        return self.name or f"{self.data.name}-{self.model.name}"
+        if self.name:
+            return self.name
+        if self.entrypoint is not None:
+            return self.entrypoint.script.rsplit("/", 1)[-1].removesuffix(".py")
+        assert self.model is not None and self.data is not None
+        return f"{self.data.name.replace('/', '-').replace(':', '.')}-{self.model.name.replace('/', '-').replace(':', '.')}"
+
+    @property
+    def runs_code(self) -> bool:
+        """Whether the job runs code named by the user (a bundle, a script, a factory): a
+        permission (`torchyard token create --can-run-code`)."""
+        factories = [
+            s.name for s in (self.model, self.data) if s is not None and s.kind == "factory"
+        ]
+        return self.code is not None or self.entrypoint is not None or bool(factories)
 
 
 class SpecError(ValueError):
@@ -313,19 +485,42 @@ def parse_spec(obj: Any) -> JobSpec:
     try:
         return JobSpec.model_validate(obj)
     except ValidationError as e:
+        # The spec's own check (missing sections) runs only when every field is valid:
+        # say what is missing together with the field errors.
         problems: list[tuple[str, str]] = []
+        if obj.get("entrypoint") is None:
+            problems += [
+                (f, "required (or give 'entrypoint' and 'code')")
+                for f in ("model", "data", "optimizer")
+                if obj.get(f) is None
+            ]
         for err in e.errors():
             loc = tuple(err["loc"])
             if err["type"] == "spec_problems":
                 problems += [(_path((*loc, f)), m) for f, m in err["ctx"]["problems"]]
             else:
                 problems.append((_path(loc), _friendly(err)))
-        raise SpecError(problems) from None
+        raise SpecError(list(dict.fromkeys(problems))) from None
+
+
+# Fields that are left out of a spec's dict when unset (null), so that a built-in job's
+# stored spec reads as it did before they existed.
+_OMIT_WHEN_NULL = {"args", "image_size", "code", "entrypoint", "init", "model", "data", "optimizer"}
+
+
+def _drop_nulls(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if not (v is None and k in _OMIT_WHEN_NULL)}
 
 
 def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
-    """The spec as plain JSON types, with every default written out."""
-    return spec.model_dump(mode="json")
+    """The spec as plain JSON types, with every default written out (a script job: only
+    the fields that apply to it)."""
+    d = spec.model_dump(mode="json")
+    if spec.entrypoint is not None:
+        return {k: v for k, v in d.items() if k in SCRIPT_FIELDS}
+    for part in ("model", "data"):
+        d[part] = _drop_nulls(d[part])
+    return _drop_nulls(d)
 
 
 # Files of each on-disk data set, relative to the data root, in torchvision's layouts
@@ -368,8 +563,12 @@ def dataset_file(name: str, data_root: Path, relative: str) -> Path | None:
 
 
 def missing_dataset_files(name: str, data_root: Path) -> list[Path]:
-    """The files looked for under `data_root` that are absent (empty when all are present, or
-    when the data set needs no files: `digits`, `synthetic`). A gzipped idx file counts."""
+    """The files (or, for `imagefolder/<dir>`, folders) looked for under `data_root` that are
+    absent: empty when all are present, or when the data set needs no files (`digits`,
+    `synthetic`, a factory). A gzipped idx file counts."""
+    if IMAGEFOLDER_RE.fullmatch(name):
+        top = data_root / name.partition("/")[2]
+        return [d for d in (top / "train", top / "val") if not d.is_dir()]
     return [
         data_root / rel
         for rel in DATASET_FILES.get(name, ())
@@ -396,12 +595,18 @@ LABEL_BYTES = 8
 _RESNET18_BODY = 11_167_104
 
 
-def data_shape(data: DataSpec) -> tuple[int, ...]:
-    """The sample shape the data set gives the model."""
+def data_shape(data: DataSpec) -> tuple[int, ...] | None:
+    """The sample shape the data set gives the model (None: known only once it is read)."""
+    if data.kind == "imagefolder":
+        return (3, data.crop, data.crop)
+    if data.kind == "factory":
+        return None
     return tuple(data.sample_shape) if data.name == "synthetic" else DATASET_SHAPES[data.name]
 
 
-def data_classes(data: DataSpec) -> int:
+def data_classes(data: DataSpec) -> int | None:
+    if data.kind != "builtin":
+        return None
     return data.classes if data.name == "synthetic" else DATASET_CLASSES[data.name]
 
 
@@ -409,10 +614,13 @@ def _linear(n_in: int, n_out: int) -> int:
     return n_in * n_out + n_out
 
 
-def model_parameters(spec: JobSpec) -> int:
-    """Parameters of the spec's model (trainer/models.py) for its data's shape and classes,
-    computed without building it."""
+def model_parameters(spec: JobSpec) -> int | None:
+    """Parameters of the spec's built-in model (trainer/models.py) for its data's shape and
+    classes, computed without building it; None when that needs the model or data built."""
+    assert spec.model is not None and spec.data is not None
     shape, k = data_shape(spec.data), data_classes(spec.data)
+    if spec.model.kind != "builtin" or shape is None or k is None:
+        return None
     if spec.model.name == "mlp":
         widths = [math.prod(shape), *spec.model.hidden_sizes, k]
         return sum(_linear(a, b) for a, b in itertools.pairwise(widths))
@@ -428,13 +636,17 @@ def model_parameters(spec: JobSpec) -> int:
     return _RESNET18_BODY + c * 64 * 9 + _linear(512, k)
 
 
-def data_bytes(data: DataSpec) -> int:
+def data_bytes(data: DataSpec) -> int | None:
     """Bytes the data set takes on the device on the trainer's fast path: every sample (train
     and validation) as uint8 values plus an int64 label. The trainer makes a float32 copy (4x
     the images) only when that fits in a quarter of free device memory, so the uint8 size is
-    what a job needs."""
+    what a job needs. None for sets that stream from disk through a DataLoader."""
+    if data.kind != "builtin":
+        return None
+    shape = data_shape(data)
+    assert shape is not None
     samples = data.samples if data.name == "synthetic" else DATASET_SAMPLES[data.name]
-    return samples * (math.prod(data_shape(data)) + LABEL_BYTES)
+    return samples * (math.prod(shape) + LABEL_BYTES)
 
 
 def _si(n: float, units: tuple[str, ...], base: int) -> str:
@@ -458,21 +670,23 @@ def limit_problems(spec: JobSpec, max_params: int, max_data_bytes: int) -> list[
     """What the spec asks beyond the server's size limits, as (field, message) pairs like
     SpecError's: per-field caps cannot bound products (16 hidden layers of 65536 are each
     allowed; together they are 64 G parameters)."""
-    problems = []
+    problems: list[tuple[str, str]] = []
+    if spec.model is None or spec.data is None:  # a script job: its own business
+        return problems
     params = model_parameters(spec)
-    if params > max_params:
+    if params is not None and params > max_params:
         # Point at what the user chose: an mlp's widths when given, else the model itself.
         field = "model.hidden" if spec.model.name == "mlp" and spec.model.hidden else "model"
         problems.append(
             (
                 field,
                 f"this model has ~{_count(params)} parameters (~{_bytes(4 * params)} as fp32) "
-                f"for data of shape {list(data_shape(spec.data))}; the server allows at most "
+                f"for data of shape {list(data_shape(spec.data) or ())}; the server allows at most "
                 f"{_count(max_params)} (TORCHYARD_MAX_MODEL_PARAMS)",
             )
         )
     nbytes = data_bytes(spec.data)
-    if nbytes > max_data_bytes:
+    if nbytes is not None and nbytes > max_data_bytes:
         problems.append(
             (
                 "data",

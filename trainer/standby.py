@@ -23,6 +23,8 @@ from torchyard.trainer import exitcodes
 from torchyard.trainer.cli import follow_parent
 from torchyard.trainer.cli import main as trainer_main
 
+OPTIONS = frozenset({"--resume", "--code-dir", "--init"})
+
 
 class Go(BaseModel):
     """The worker's go message: what today's argv, environment and log fd carry."""
@@ -31,7 +33,7 @@ class Go(BaseModel):
 
     spec: str
     run_dir: str
-    resume: str | None = None
+    options: list[str] = []  # --resume, --code-dir, --init with their absolute paths
     env: dict[str, str]
     log: str
 
@@ -42,9 +44,18 @@ class Go(BaseModel):
             raise ValueError("must be an absolute path")
         return v
 
+    @field_validator("options")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        flags, paths = v[0::2], v[1::2]
+        if len(flags) != len(paths) or not set(flags) <= OPTIONS:
+            raise ValueError(f"must be pairs of {', '.join(sorted(OPTIONS))} and a path")
+        if not all(os.path.isabs(p) for p in paths):
+            raise ValueError("paths must be absolute")
+        return v
+
     def argv(self) -> list[str]:
-        tail = ["--spec", self.spec, "--run-dir", self.run_dir]
-        return tail + (["--resume", self.resume] if self.resume is not None else [])
+        return ["--spec", self.spec, "--run-dir", self.run_dir, *self.options]
 
 
 def warm_up() -> None:

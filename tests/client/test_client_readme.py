@@ -4,6 +4,7 @@ main-job script does what the README says."""
 from __future__ import annotations
 
 import subprocess
+import typing
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -16,11 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 
+def _submodel(annotation: object) -> type[BaseModel] | None:
+    """The model a field holds, also through `X | None`."""
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
 def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     out = []
     for name, f in model.model_fields.items():
-        sub = f.annotation if isinstance(f.annotation, type) else None
-        if sub is not None and issubclass(sub, BaseModel):
+        sub = _submodel(f.annotation)
+        if sub is not None:
             out += _fields(sub, f"{prefix}{name}.")
         else:
             out.append(prefix + name)

@@ -33,11 +33,12 @@ def _with(path: str, value: Any) -> dict[str, Any]:
 BAD_SPECS: list[tuple[str, dict[str, Any], list[tuple[str, str]]]] = [
     ("unknown top-level field", _with("learning_rate", 0.1), [("learning_rate", "unknown field")]),
     ("a spec never names a path", _with("data.path", "/etc"), [("data.path", "unknown field")]),
-    ("model missing", _with("model", ...), [("model", "required")]),
-    ("optimizer missing", _with("optimizer", ...), [("optimizer", "required")]),
-    ("unknown model", _with("model.name", "vgg"), [("model.name", "must be one of 'mlp', 'lenet' or 'resnet18'")]),
+    ("model missing", _with("model", ...), [("model", "required (or give 'entrypoint' and 'code')")]),
+    ("optimizer missing", _with("optimizer", ...), [("optimizer", "required (or give 'entrypoint' and 'code')")]),
+    ("unknown model", _with("model.name", "vgg"), [("model.name", "must be one of 'mlp', 'lenet', 'resnet18', 'torchvision/<name>' or 'module:function'")]),
     ("unknown data set", _with("data.name", "imagenet"),
-     [("data.name", "must be one of 'digits', 'mnist', 'fashion_mnist', 'cifar10' or 'synthetic'")]),
+     [("data.name", "must be one of 'digits', 'mnist', 'fashion_mnist', 'cifar10', 'synthetic', "
+                   "'imagefolder/<dir>' or 'module:function'")]),
     ("lr negative", _with("optimizer.lr", -0.1), [("optimizer.lr", "must be > 0.0")]),
     ("lr too large", _with("optimizer.lr", 100.0), [("optimizer.lr", "must be <= 10.0")]),
     ("lr as a string", _with("optimizer.lr", "0.1"), [("optimizer.lr", "must be a number")]),

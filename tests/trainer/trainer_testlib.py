@@ -161,6 +161,7 @@ def train_in_process(
     data_root: Path | None = None,
     resume: Path | None = None,
     device: str = "cpu",
+    init: Path | None = None,
 ):
     """Run the training loop in this process (CPU unless told), events kept in memory:
     (exit code, events)."""
@@ -180,6 +181,7 @@ def train_in_process(
         data_root=data_root or run_dir / "no-data",
         resume=resume,
         log=lambda _s: None,
+        init=init,
     )
     return run(parse_spec(spec), r), events
 

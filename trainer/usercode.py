@@ -1,0 +1,53 @@
+"""Calling the user's code: `module:function` factories for models and data sets.
+
+The module is imported from the job's code bundle (first on `sys.path`: trainer/cli.py) or
+from a package installed on the workers. Whatever goes wrong inside the user's code (an
+import error, an exception, a wrong return type) becomes a `UserCodeError`, whose traceback
+is printed to the job log: the job fails with an `error` event of kind `user_code` and is
+not retried (trainer/failures.py), since running the same code again fails the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from torchyard.trainer.failures import UserCodeError
+
+
+def load_factory(name: str) -> Callable[..., Any]:
+    """The function a `module:function` name points at."""
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module_name.startswith(e.name):
+            raise UserCodeError(
+                f"{name}: no module {e.name!r} in the job's code bundle or the workers' "
+                "installed packages"
+            ) from e
+        raise _failed(f"importing {module_name!r}", e) from e
+    except Exception as e:
+        raise _failed(f"importing {module_name!r}", e) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserCodeError(f"{name}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def call_user(what: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """fn(**kwargs); an exception in it is the user's, told as such."""
+    try:
+        return fn(**kwargs)
+    except Exception as e:
+        raise _failed(what, e) from e
+
+
+def _failed(what: str, e: BaseException) -> UserCodeError:
+    # The user needs their own traceback: into the job log (stderr), once.
+    print(f"trainer: user code failed while {what}:", file=sys.stderr)
+    traceback.print_exception(e, file=sys.stderr)
+    return UserCodeError(f"{what}: {type(e).__name__}: {e}")
