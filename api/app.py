@@ -19,7 +19,15 @@ from torchyard.api import errors
 from torchyard.api.deps import TokenCache
 from torchyard.api.fanout import FeedHub
 from torchyard.api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
-from torchyard.api.routers import checkpoints, health, job_data, job_events, jobs, workers
+from torchyard.api.routers import (
+    bundles,
+    checkpoints,
+    health,
+    job_data,
+    job_events,
+    jobs,
+    workers,
+)
 from torchyard.store.db import make_engine
 from torchyard.store.inventory import job_counts, worker_counts
 from torchyard.store.settings import Settings, get_settings
@@ -129,13 +137,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.prometheus = registry
 
     errors.install(app)
-    for module in (jobs, job_data, job_events, checkpoints, workers, health):
+    for module in (jobs, job_data, job_events, checkpoints, bundles, workers, health):
         app.include_router(module.router)
     # Each add_middleware wraps the ones before it, so the last added runs first: requests
     # are counted (shed 503s and 413s included: an operator must see them), then the size
     # limit applies before anything reads a body, then the shedder.
     app.add_middleware(ShedLoad, max_waiting=SHED_WAITING_PER_THREAD * settings.api_threads)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # Bundle uploads stream to disk under their own, larger limit, enforced by their route.
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, own_limit=(bundles.UPLOAD_PATH,)
+    )
     app.add_middleware(PrometheusMetrics, registry=registry)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

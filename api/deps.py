@@ -32,6 +32,8 @@ class Principal:
     id: int
     name: str
     is_admin: bool
+    # May submit jobs that run their own code (store: users.can_run_code).
+    can_run_code: bool = False
 
     @property
     def viewer(self) -> Viewer:
@@ -99,7 +101,9 @@ def read_engine(request: Request) -> Engine:
 def _lookup(factory: sessionmaker[Session], token: str) -> Principal | None:
     with factory() as session:
         user = user_for_token(session, token)
-        return Principal(user.id, user.name, user.is_admin) if user is not None else None
+        if user is None:
+            return None
+        return Principal(user.id, user.name, user.is_admin, user.can_run_code)
 
 
 def _unauthorized(message: str) -> ApiError:

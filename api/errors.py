@@ -29,6 +29,7 @@ CODES = {
     405: "method_not_allowed",
     409: "conflict",
     413: "payload_too_large",
+    415: "unsupported_media_type",
     416: "range_not_satisfiable",
     422: "validation_error",
     500: "internal_error",
@@ -166,9 +167,11 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses=` entries documenting the error body for each status."""
     descriptions = {
         401: "missing, unknown or revoked bearer token",
-        404: "no such job (or not yours), or no such file",
+        403: "the user may not do this (e.g. run their own code without the permission)",
+        404: "no such job or bundle (or not yours), or no such file",
         409: "conflict: illegal state transition, or Idempotency-Key reused with another spec",
         413: "request body over the configured limit",
+        415: "the body's Content-Type is not one this route takes",
         416: "range not satisfiable",
         422: "invalid request; details lists every problem as {field, message}",
         503: "store or broker unreachable",

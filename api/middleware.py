@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from typing import Any
 
 import anyio.to_thread
@@ -78,17 +79,22 @@ class ShedLoad:
 
 class BodyLimit:
     """413 for a declared Content-Length over the limit before reading anything, and for
-    a streamed (chunked) body as soon as it passes the limit."""
+    a streamed (chunked) body as soon as it passes the limit.
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    `own_limit`: paths whose route streams its body to disk and enforces a limit of its own
+    the same two ways (POST /v1/bundles: TORCHYARD_MAX_BUNDLE_BYTES, far above the JSON
+    limit); they pass through here, so that their 413 names the setting that applies and
+    the route can remove what it wrote."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, own_limit: Collection[str] = ()):
+        self.app, self.max_bytes, self.own_limit = app, max_bytes, frozenset(own_limit)
 
     async def _reject(self, send: Send) -> None:
         body = _too_large_body(self.max_bytes)
         await _send_json(send, 413, body, [(b"connection", b"close")])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.own_limit:
             await self.app(scope, receive, send)
             return
         for name, value in scope.get("headers", ()):

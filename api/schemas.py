@@ -164,3 +164,9 @@ class Readiness(BaseModel):
     status: str
     database: bool
     broker: bool
+
+
+class BundleOut(BaseModel):
+    id: str = Field(description="sha256 of the uploaded archive: name it as `code.bundle`")
+    bytes: int = Field(description="size of the uploaded (compressed) archive")
+    files: int = Field(description="regular files in the bundle")

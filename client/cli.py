@@ -110,6 +110,12 @@ def _add_job_commands(cmd: Callable[..., Any]) -> None:
     """submit, status, list, cancel and logs."""
     sp = cmd("submit", cmd_submit, "submit a job spec (JSON or YAML); prints the job id")
     sp.add_argument("spec", help="path to the spec file (.json, .yaml or .yml)")
+    sp.add_argument(
+        "--code",
+        metavar="DIR",
+        help="run the job with the code in DIR: packed into a bundle (honouring "
+        ".torchyardignore), uploaded unless the server has it already, set as code.bundle",
+    )
     sp.add_argument("-f", "--follow", action="store_true", help="show progress until it ends")
     sp.add_argument("--idempotency-key", help="retrying with the same key returns the same job")
     sp.add_argument("--interval", type=float, default=0.5, help=_INTERVAL_HELP)
@@ -154,7 +160,7 @@ def _add_metrics_command(sp: argparse.ArgumentParser) -> None:
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    job = client.submit(spec, idempotency_key=args.idempotency_key)
+    job = client.submit(spec, code=args.code, idempotency_key=args.idempotency_key)
     if args.json:
         _print_json(job)
     else:
@@ -470,18 +476,18 @@ def describe_job(job: dict) -> RenderableType:
     attempts = job.get("attempts") or []
     if not attempts:
         return render.fields(rows)
-        table_rows = [
-            (
-                a.get("number", i + 1),
-                a.get("state"),
-                ",".join(str(w.get("worker_id")) for w in a.get("workers") or []) or "-",
-                a.get("started_at") or "-",
-                a.get("ended_at") or "-",
-                a.get("exit_code"),
-                a.get("reason") or "",
-            )
-            for i, a in enumerate(attempts)
-        ]
+    table_rows = [
+        (
+            a.get("number", i + 1),
+            a.get("state"),
+            ",".join(str(w.get("worker_id")) for w in a.get("workers") or []) or "-",
+            a.get("started_at") or "-",
+            a.get("ended_at") or "-",
+            a.get("exit_code"),
+            a.get("reason") or "",
+        )
+        for i, a in enumerate(attempts)
+    ]
     headers = ["#", "STATE", "WORKERS", "STARTED", "ENDED", "EXIT", "REASON"]
     return Group(render.fields(rows), "", "attempts:", render.table(headers, table_rows))
 

@@ -4,6 +4,7 @@
 
     with Client() as ty:                      # URL/token from env or $TORCHYARD_HOME/admin-token
         job = ty.submit(load_spec("examples/digits.json"))
+        # or with your own code: ty.submit(load_spec("train.yaml"), code="src/")
         job = ty.wait(job["id"])
         print(job["state"], ty.metrics(job["id"], name="val/accuracy"))
         ty.download(job["id"], path="digits.safetensors")
@@ -28,9 +29,11 @@ from urllib.parse import quote
 import httpx
 from httpx_sse import SSEError, connect_sse
 
+from torchyard.client.bundle import bundle_id, pack
 from torchyard.client.errors import (
     ChecksumError,
     ConnectError,
+    NotFound,
     SpecFileError,
     TorchyardError,
     Unavailable,
@@ -192,10 +195,23 @@ class Client:
 
     # -- jobs -------------------------------------------------------------------------------
 
-    def submit(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> dict:
-        """POST the spec; returns the new job (or, with the same idempotency key, the old one)."""
+    def submit(
+        self,
+        spec: Mapping[str, Any],
+        code: str | Path | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        """POST the spec; returns the new job (or, with the same idempotency key, the old one).
+
+        `code`: a directory to run the job with. It is packed into a bundle (the same tree
+        gives the same bundle id), uploaded unless the server already has it from you, and
+        named as the spec's `code.bundle` (in a copy: `spec` is left as it was)."""
+        body = dict(spec)
+        if code is not None:
+            body["code"] = {"bundle": self.push_code(code)}
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return self._json("POST", "/v1/jobs", json=dict(spec), headers=headers)
+        return self._json("POST", "/v1/jobs", json=body, headers=headers)
 
     def job(self, job_id: str) -> dict:
         return self._json("GET", f"/v1/jobs/{_seg(job_id)}")
@@ -481,6 +497,28 @@ class Client:
             return kept
         finally:
             resp.close()
+
+    # -- code bundles -----------------------------------------------------------------------
+
+    def push_code(self, directory: str | Path) -> str:
+        """Pack `directory` into a bundle and make sure the server has it from this user:
+        asked first, uploaded only when it is not there (404). Returns the bundle id."""
+        data = pack(Path(directory))
+        bid = bundle_id(data)
+        try:
+            self.bundle(bid)
+        except NotFound:
+            self.upload_bundle(data)
+        return bid
+
+    def upload_bundle(self, data: bytes) -> dict:
+        """POST a packed bundle (a gzip-compressed tar); {"id", "bytes", "files"}."""
+        headers = {"Content-Type": "application/gzip"}
+        return self._json("POST", "/v1/bundles", content=data, headers=headers)
+
+    def bundle(self, bundle_id: str) -> dict:
+        """{"id", "bytes", "files"} of a bundle this user uploaded (NotFound otherwise)."""
+        return self._json("GET", f"/v1/bundles/{_seg(bundle_id)}")
 
     # -- workers ----------------------------------------------------------------------------
 

@@ -21,23 +21,33 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-def get_or_create_user(session: Session, user_name: str, admin: bool = False) -> User:
-    """The user called `user_name`, created if missing; `admin=True` also promotes it."""
+def get_or_create_user(
+    session: Session, user_name: str, admin: bool = False, can_run_code: bool = False
+) -> User:
+    """The user called `user_name`, created if missing. `admin=True` and `can_run_code=True`
+    promote an existing user; False never demotes one (a new token must not silently take
+    away what an earlier one was given)."""
     user = session.scalar(select(User).where(User.name == user_name))
     if user is None:
-        user = User(name=user_name, is_admin=admin)
+        user = User(name=user_name, is_admin=admin, can_run_code=can_run_code)
         session.add(user)
         session.flush()
-    elif admin and not user.is_admin:
+        return user
+    if admin and not user.is_admin:
         user.is_admin = True
+    if can_run_code and not user.can_run_code:
+        user.can_run_code = True
     return user
 
 
-def create_token(session: Session, user_name: str, admin: bool = False) -> str:
-    """Create a token for `user_name` (creating the user if missing); returns the plaintext."""
+def create_token(
+    session: Session, user_name: str, admin: bool = False, can_run_code: bool = False
+) -> str:
+    """Create a token for `user_name` (creating the user if missing); returns the plaintext.
+    `can_run_code`: the user's jobs may run their own code (see get_or_create_user)."""
     if not user_name or len(user_name) > 100:
         raise ValueError("user name must be 1 to 100 characters")
-    user = get_or_create_user(session, user_name, admin)
+    user = get_or_create_user(session, user_name, admin, can_run_code)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(ApiToken(user_id=user.id, token_hash=hash_token(token), prefix=token[:10]))
     session.flush()

@@ -93,3 +93,26 @@ def mark_deleted(session: Session, job_id: str, paths: list[str]) -> int:
         .execution_options(synchronize_session=False)
     )
     return int(res.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def init_checkpoint(session: Session, job_id: str, which: str | int) -> Checkpoint | None:
+    """The checkpoint a spec's `init: {from_job, checkpoint}` names: `weights` (the final
+    weights), `latest` (the final weights when there are some, else the newest resume
+    checkpoint) or a step number (the resume checkpoint of that step)."""
+    if which == "weights":
+        return latest_checkpoint(session, job_id, kind="weights")
+    if which == "latest":
+        return latest_checkpoint(session, job_id, kind="weights") or latest_checkpoint(
+            session, job_id
+        )
+    return session.scalar(
+        select(Checkpoint)
+        .where(
+            Checkpoint.job_id == job_id,
+            Checkpoint.kind == "resume",
+            Checkpoint.step == int(which),
+            Checkpoint.deleted.is_(False),
+        )
+        .order_by(Checkpoint.id.desc())
+        .limit(1)
+    )

@@ -34,6 +34,12 @@ def token_main(argv: list[str]) -> int:
     create = sub.add_parser("create", help="create a token (and the user if new); prints the token")
     create.add_argument("--user", required=True, help="user name (created if missing)")
     create.add_argument("--admin", action="store_true", help="the user sees every job")
+    create.add_argument(
+        "--can-run-code",
+        action="store_true",
+        help="jobs of this user may run their own code: bundles, scripts, module:function "
+        "factories; that code runs with the worker's privileges",
+    )
     args = parser.parse_args(argv)
 
     from torchyard.store.auth import create_token
@@ -42,7 +48,7 @@ def token_main(argv: list[str]) -> int:
     if not 1 <= len(args.user) <= 100:
         parser.error("--user must be 1 to 100 characters")
     with session_scope(get_settings().db_url) as session:
-        token = create_token(session, args.user, admin=args.admin)
+        token = create_token(session, args.user, admin=args.admin, can_run_code=args.can_run_code)
     # Only the token on stdout, so `TOKEN=$(torchyard token create --user me)` works.
     print(token)
     return 0

@@ -1,6 +1,6 @@
 """The tables. Each column has one writer (see docs/architecture.md):
 
-- api: users, tokens, jobs.spec/name/owner/priority/cancel_requested, idempotency keys
+- api: users, tokens, bundles, jobs.spec/name/owner/priority/cancel_requested, idempotency keys
 - scheduler: jobs.state queued→starting, jobs.pending_reason, attempts, assignments
 - worker: its own workers row, its attempt's state/exit, metrics, checkpoints, jobs.progress
 Every change of jobs.state goes through `store.states.transition`.
@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     literal_column,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -67,6 +68,11 @@ class User(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Jobs of this user may run their own code (bundles, scripts, module:function
+    # factories), which runs with the worker's privileges: granted by an admin only.
+    can_run_code: Mapped[bool] = mapped_column(
+        Boolean, default=False, server_default=false(), nullable=False
+    )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -79,6 +85,19 @@ class ApiToken(Base):
     prefix: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class Bundle(Base):
+    """A code bundle a user uploaded (POST /v1/bundles). The id is the sha256 of the
+    uploaded bytes, so the same bytes from two users are one file on disk
+    (`<storage>/bundles/<id>.tar.gz`) but two rows: each user owns only what they uploaded."""
+
+    __tablename__ = "bundles"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)  # the upload's (compressed) size
+    files: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class Job(Base):

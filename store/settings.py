@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     max_data_bytes: int = Field(default=16 * 1024**3, ge=1)
     """TORCHYARD_MAX_DATA_BYTES: a spec whose data set would take more bytes on the device is
     refused (422 naming the field)."""
+    max_bundle_files: int = Field(default=10_000, ge=1)
+    """TORCHYARD_MAX_BUNDLE_FILES: most files a code bundle (POST /v1/bundles) may hold; an
+    archive with more is refused (422) before anything of it is kept."""
+    max_bundle_bytes: int = Field(default=200 * 1024**2, ge=1024)
+    """TORCHYARD_MAX_BUNDLE_BYTES: largest code bundle, both as uploaded (gzip, 413) and
+    unpacked (422), so a small archive that inflates cannot fill the workers' disks."""
     metrics_page_points: int = Field(default=10_000, ge=100)
     """TORCHYARD_METRICS_PAGE_POINTS: most points per series a metrics response returns when
     `max_points` is not given; the rest is paged with `after_step`."""

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "token": (
         "torchyard.store.cli",
         "token_main",
-        "API tokens: `token create --user NAME [--admin]`",
+        "API tokens: `token create --user NAME [--admin] [--can-run-code]`",
     ),
     "submit": ("torchyard.client.cli", "main", "submit a job spec (JSON or YAML)"),
     "status": ("torchyard.client.cli", "main", "show a job"),

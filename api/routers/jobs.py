@@ -10,6 +10,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from torchyard.api import codechecks
 from torchyard.api.deps import (
     CurrentUser,
     Principal,
@@ -49,17 +50,19 @@ SUBMIT_BODY = {
 
 def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """What only the server knows: the data set is on disk, the world size is allowed, the
-    model and the data set are within the size limits."""
+    model and the data set are within the size limits. (A script job has no `data`: its
+    script reads its own.)"""
     problems = []
-    missing = [str(p) for p in job_spec.missing_dataset_files(spec.data.name, settings.data)]
-    if missing:
-        problems.append(
-            (
-                "data.name",
-                f"data set '{spec.data.name}' is not on the server; looked for "
-                + ", ".join(missing),
+    if spec.data is not None:
+        data = spec.data.name
+        missing = [str(p) for p in job_spec.missing_dataset_files(data, settings.data)]
+        if missing:
+            problems.append(
+                (
+                    "data.name",
+                    f"data set '{data}' is not on the server; looked for " + ", ".join(missing),
+                )
             )
-        )
     if spec.world_size > settings.max_world_size:
         problems.append(
             (
@@ -71,6 +74,13 @@ def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> list[tuple[str
     # large for the server before it is stored (nothing to clean up, no OOM on a worker).
     problems += job_spec.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
     return problems
+
+
+def _reference_problems(
+    factory: sessionmaker[Session], settings: Settings, user: Principal, spec: job_spec.JobSpec
+) -> list[tuple[str, str]]:
+    with factory() as session:
+        return codechecks.reference_problems(session, settings.storage, user, spec)
 
 
 def _store_job(
@@ -103,12 +113,17 @@ def _snapshot_out(session: Session, user: Principal, job_id: str) -> JobOut:
         "Validates the spec (every problem at once, 422), checks the data set is on the "
         "server, the world size is allowed and the model and data set are within the "
         "server's size limits, stores a queued job and wakes the scheduler. "
+        "A job that runs its own code (`code`, `entrypoint`, a `module:function` model or "
+        "data set) needs a user allowed to (`token create --can-run-code`; admins are), "
+        "else 403; its `code.bundle` must be one the user uploaded (POST /v1/bundles) and "
+        "hold `entrypoint.script`, and `init.from_job` must be a job of the user's with the "
+        "checkpoint asked for (422 naming the field). "
         "With `Idempotency-Key`: a retry with the same spec returns the original job with "
         "200; the same key with a different spec is 409."
     ),
     responses={
         200: {"model": JobOut, "description": "the job first created with this Idempotency-Key"},
-        **responses(401, 409, 413, 422, 503),
+        **responses(401, 403, 409, 413, 422, 503),
     },
     openapi_extra=SUBMIT_BODY,
 )
@@ -136,7 +151,12 @@ async def submit_job(
         spec = job_spec.parse_spec(obj)
     except job_spec.SpecError as e:
         raise validation_error(e.problems, "spec") from None
+    codechecks.check_code_permission(user, spec)
     problems = _server_checks(spec, settings)
+    if codechecks.needs_store(spec):
+        problems += await run_in_threadpool(
+            _reference_problems, request.app.state.read_sessions, settings, user, spec
+        )
     if problems:
         raise validation_error(problems, "spec")
     try:
