@@ -8,8 +8,9 @@ Rules, first match wins:
 - the job's storage full (exit 5, or an `error` of kind storage_full) -> handed back;
 - an `error` event of kind peer_failed (another rank died first) -> lost, retried; the
   supervisor first lets the failed rank's worker decide with the real cause;
-- an `error` event -> failed with "kind: message" (nonfinite_loss, data and out_of_memory
-  are deterministic, so the job fails at once; other kinds are retried). Every rank
+- an `error` event -> failed with "kind: message" (nonfinite_loss, data, out_of_memory,
+  unsupported, user_code, init and spec are deterministic, so the job fails at once; other kinds
+  are retried). Every rank
   reports its own error, so a rank that fails alone is classified by its cause;
 - a SIGTERM from outside (a `stopped` event, exit 75) -> handed back;
 - exit 2 (bad spec), 3 (nonfinite loss), 4 (out of memory) -> failed, not retried;
@@ -35,7 +36,9 @@ from torchyard.store.states import (
 )
 from torchyard.trainer import exitcodes
 
-DETERMINISTIC_ERRORS = frozenset({"nonfinite_loss", "data", "out_of_memory", "unsupported"})
+DETERMINISTIC_ERRORS = frozenset(
+    {"nonfinite_loss", "data", "out_of_memory", "unsupported", "user_code", "init", "spec"}
+)
 
 # Why the worker itself stopped its trainer (None: it exited on its own).
 STOP_CANCEL, STOP_WORKER, STOP_STORE_LOST = "cancel", "stopping", "store_lost"

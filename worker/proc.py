@@ -32,6 +32,21 @@ class Launch:
     rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    code_dir: Path | None = None  # the job's unpacked bundle (worker/inputs.py)
+    init: Path | None = None  # the weights its `init` names
+
+
+def _options(launch: Launch) -> list[str]:
+    """The trainer's optional arguments, as absolute paths (its cwd may be the bundle)."""
+    out: list[str] = []
+    for flag, path in (
+        ("--resume", launch.resume),
+        ("--code-dir", launch.code_dir),
+        ("--init", launch.init),
+    ):
+        if path is not None:
+            out += [flag, str(path.absolute())]
+    return out
 
 
 def trainer_argv(launch: Launch) -> list[str]:
@@ -39,12 +54,11 @@ def trainer_argv(launch: Launch) -> list[str]:
         "-m",
         "torchyard.trainer",
         "--spec",
-        str(launch.spec_path),
+        str(launch.spec_path.absolute()),
         "--run-dir",
-        str(launch.run_dir),
+        str(launch.run_dir.absolute()),
+        *_options(launch),
     ]
-    if launch.resume is not None:
-        tail += ["--resume", str(launch.resume)]
     if launch.world_size == 1:
         # No launcher: one process less to start (dispatch latency), exact exit codes.
         return [sys.executable, *tail]
@@ -75,7 +89,7 @@ def go_message(launch: Launch, env: dict[str, str], log_path: Path) -> dict[str,
     return {
         "spec": str(launch.spec_path.absolute()),
         "run_dir": str(launch.run_dir.absolute()),
-        "resume": None if launch.resume is None else str(launch.resume.absolute()),
+        "options": _options(launch),
         "env": env,
         "log": str(log_path.absolute()),
     }

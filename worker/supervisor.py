@@ -59,6 +59,7 @@ from torchyard.store.states import CANCELLING
 from torchyard.trainer.eventfiles import rank_events_file
 from torchyard.worker.events import EventRecorder, EventTail, last_rank_event
 from torchyard.worker.identity import Device, is_loopback
+from torchyard.worker.inputs import InputError, code_dir, init_file
 from torchyard.worker.outcome import (
     STOP_CANCEL,
     STOP_STORE_LOST,
@@ -161,6 +162,8 @@ class Prepared(NamedTuple):
     resume: Path | None  # the checkpoint to resume from
     master: tuple[str, int] | None  # rank 0's rendezvous (host, port); None for one rank
     events_start: int  # where this attempt's own lines begin in events.jsonl
+    code_dir: Path | None = None  # the job's unpacked code bundle
+    init: Path | None = None  # the weights its `init` names (a fresh start only)
 
 
 class Supervision:
@@ -270,6 +273,8 @@ class Supervision:
             rank=self.c.rank,
             master_addr=master[0] if master else None,
             master_port=master[1] if master else None,
+            code_dir=p.code_dir,
+            init=p.init,
         )
         now = datetime.now(UTC).isoformat(timespec="seconds")
         how = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
@@ -505,9 +510,12 @@ class Supervision:
         spec_path = self._write_spec()
         start = self._ingest_backlog() if self.c.rank == 0 else 0
         found = self._tx(lambda s: latest_resume_checkpoint(s, self.c.job_id, self.run_dir))
-        resume = None
+        resume = init = None
         if found is not None:
             self.resume_rel, resume = found
+        else:
+            init = self._tx(lambda s: init_file(s, self.ctx.settings, self.c.spec))
+        code = code_dir(self.ctx.settings, self.c.spec)
         master = self._rendezvous()
         if self.c.world_size > 1 and master is None:
             if self.ctx.stopping.is_set():
@@ -516,9 +524,11 @@ class Supervision:
             return Decision(
                 A_LOST, f"rendezvous: rank 0's endpoint not published within {t:g}s", None, True
             )
-        return Prepared(spec_path, resume, master, start)
+        return Prepared(spec_path, resume, master, start, code, init)
 
     def _launch_failed(self, e: Exception) -> Decision:
+        if isinstance(e, InputError):  # the job's bundle or init: the same next time
+            return Decision(A_FAILED, str(e), str(e), False)
         if isinstance(e, BadEndpoint):  # the worker's setting, not the job: counted, retried
             return Decision(A_FAILED, str(e), str(e), True)
         why = f"launch failed on worker {self.ctx.worker_id}: {e}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
-import json
 import signal
 import time
 from collections.abc import Iterator
@@ -17,9 +16,20 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from sqlalchemy import select
-from worker_cluster import Cluster, pid_alive, processes_mentioning, wait_for
+from worker_cluster import (
+    BACKENDS,
+    Cluster,
+    backend_cluster,
+    checkpointed_and_running,
+    job_events,
+    job_weights,
+    pid_alive,
+    processes_mentioning,
+    running_worker,
+    trainer_pid,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -46,71 +56,12 @@ LONG: dict[str, Any] = {
 }
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "embedded",
-        pytest.param("redis-postgres", marks=[pytest.mark.redis, pytest.mark.postgres]),
-    ],
-)
+@pytest.fixture(scope="module", params=BACKENDS)
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "embedded":
-        c = Cluster(tmp)
-    else:
-        from worker_factories import drop_pg_databases, new_pg_database
-
-        pg = request.getfixturevalue("pg_url")
-        make = new_pg_database(pg)
-        request.addfinalizer(lambda: drop_pg_databases(make))
-        c = Cluster(tmp, database_url=make(), broker_url=request.getfixturevalue("redis_url"))
-    try:
-        # Two schedulers race on every wake-up and tick: none may double-assign.
-        yield c.start(workers=2, schedulers=2)
-    finally:
-        c.stop()
-
-
-def _events(c: Cluster, job_id: str) -> list[dict[str, Any]]:
-    from torchyard.store.paths import EVENTS_FILE, job_dir
-
-    p = job_dir(c.storage, job_id) / EVENTS_FILE
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-
-
-def _weights(c: Cluster, job_id: str) -> dict[str, torch.Tensor]:
-    from torchyard.store.paths import job_dir
-
-    return load_file(str(job_dir(c.storage, job_id) / "model.safetensors"))
-
-
-def _running_worker(c: Cluster, job_id: str) -> str:
-    j = c.job(job_id)
-    return j["attempts"][-1]["workers"][0]["worker_id"]
-
-
-def _trainer_pid(c: Cluster, job_id: str) -> int:
-    from torchyard.store.models import Assignment
-
-    def pid() -> int | None:
-        with c.session() as s:
-            return s.scalar(
-                select(Assignment.pid)
-                .where(Assignment.job_id == job_id, Assignment.ended_at.is_(None))
-                .order_by(Assignment.id.desc())
-            )
-
-    return wait_for(pid, 60, "the trainer's pid")
-
-
-def _checkpointed_and_running(c: Cluster, job_id: str, min_step: int) -> bool:
-    j = c.job(job_id)
-    if j["state"] != "running":
-        return False
-    cks = c.get(f"/v1/jobs/{job_id}/checkpoints")["items"]
-    return any(ck["step"] >= min_step for ck in cks)
+    # Two schedulers race on every wake-up and tick: none may double-assign.
+    yield from backend_cluster(request, tmp_path_factory, schedulers=2)
 
 
 def test_digits_job_trains_and_its_checkpoint_downloads(cluster: Cluster) -> None:
@@ -149,7 +100,7 @@ def test_world_size_2_matches_world_size_1(cluster: Cluster) -> None:
     assert sorted(w["rank"] for w in a["workers"]) == [0, 1]
     assert len({w["worker_id"] for w in a["workers"]}) == 2
     assert a["rank0_endpoint"]
-    w1, w2 = _weights(c, one["id"]), _weights(c, two["id"])
+    w1, w2 = job_weights(c, one["id"]), job_weights(c, two["id"])
     assert w1.keys() == w2.keys()
     for k in w1:
         assert torch.allclose(w1[k], w2[k], atol=1e-4, rtol=1e-3), k
@@ -234,7 +185,7 @@ def test_a_duplicated_task_message_starts_one_trainer(cluster: Cluster) -> None:
         60,
         "the duplicates to be delivered and ignored",
     )
-    started = [e for e in _events(c, job["id"]) if e["type"] == "started"]
+    started = [e for e in job_events(c, job["id"]) if e["type"] == "started"]
     assert len(started) == 1
     assert c.job_log(job["id"]).count("===== torchyard: attempt 1, rank 0/1, worker") == 1
     assert len(c.job(job["id"])["attempts"]) == 1
@@ -245,8 +196,8 @@ def test_cancel_ends_a_running_job_within_5s(cluster: Cluster) -> None:
     c = cluster
     job = c.submit(LONG)
     c.wait_state(job["id"], "running", timeout=120)
-    pid = _trainer_pid(c, job["id"])
-    wait_for(lambda: _checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
+    pid = trainer_pid(c, job["id"])
+    wait_for(lambda: checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
     t0 = time.monotonic()
     r = c.http.post(f"/v1/jobs/{job['id']}/cancel")
     assert r.status_code == 202
@@ -267,7 +218,7 @@ def long_ref(cluster: Cluster) -> dict[str, torch.Tensor]:
     """The final weights of LONG run without interruption on this cluster."""
     ref = cluster.submit(LONG)
     cluster.wait_state(ref["id"], "succeeded", timeout=180)
-    return _weights(cluster, ref["id"])
+    return job_weights(cluster, ref["id"])
 
 
 def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -282,9 +233,9 @@ def test_sigkilled_worker_job_resumes_elsewhere_bitwise_equal(
     c = cluster
 
     job = c.submit(LONG)
-    wait_for(lambda: _checkpointed_and_running(c, job["id"], 80), 120, "a checkpoint at step 80")
-    victim = _running_worker(c, job["id"])
-    trainer = _trainer_pid(c, job["id"])
+    wait_for(lambda: checkpointed_and_running(c, job["id"], 80), 120, "a checkpoint at step 80")
+    victim = running_worker(c, job["id"])
+    trainer = trainer_pid(c, job["id"])
     step_at_kill = max(ck["step"] for ck in c.get(f"/v1/jobs/{job['id']}/checkpoints")["items"])
     c.kill(victim, signal.SIGKILL)
     # The parent-death signal takes the trainer down with its worker.
@@ -296,7 +247,7 @@ def test_sigkilled_worker_job_resumes_elsewhere_bitwise_equal(
     assert done["attempt"] == 2 and step_at_kill < done["progress"]["total_steps"]
     assert "resuming from checkpoints/step-" in c.job_log(job["id"])
     # Exact resume: the same final weights as the uninterrupted run, bit for bit.
-    _assert_bitwise(long_ref, _weights(c, job["id"]))
+    _assert_bitwise(long_ref, job_weights(c, job["id"]))
     # The replayed steps were stored once each, with no gap.
     steps, _ = c.metrics(job["id"], "train/loss")
     total = done["progress"]["total_steps"]
@@ -315,9 +266,9 @@ def test_frozen_worker_trainer_stops_before_the_job_runs_elsewhere(
     the frozen worker, once thawed, writes nothing for the old attempt and comes back."""
     c = cluster
     job = c.submit(LONG)
-    wait_for(lambda: _checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
-    victim = _running_worker(c, job["id"])
-    trainer = _trainer_pid(c, job["id"])
+    wait_for(lambda: checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
+    victim = running_worker(c, job["id"])
+    trainer = trainer_pid(c, job["id"])
     c.kill(victim, signal.SIGSTOP)
     try:
         wait_for(lambda: not pid_alive(trainer), 10, "the trainer to stop on its stale lease")
@@ -327,13 +278,13 @@ def test_frozen_worker_trainer_stops_before_the_job_runs_elsewhere(
     done = c.wait_state(job["id"], "succeeded", timeout=240)
     first = done["attempts"][0]
     assert first["state"] == "lost", first
-    events = _events(c, job["id"])
+    events = job_events(c, job["id"])
     stopped = [e for e in events if e["type"] == "stopped" and e.get("attempt") == 1]
     assert stopped and stopped[0]["signal"] == "lease expired"
     last_of_first = max(e["time"] for e in events if e.get("attempt") == 1)
     first_of_second = min(e["time"] for e in events if e.get("attempt") == 2)
     assert last_of_first < first_of_second  # never two attempts at once
-    _assert_bitwise(long_ref, _weights(c, job["id"]))
+    _assert_bitwise(long_ref, job_weights(c, job["id"]))
     steps, _ = c.metrics(job["id"], "train/loss")
     assert steps == list(range(5, done["progress"]["total_steps"] + 1, 5))
     c.wait_workers(2)
@@ -342,8 +293,8 @@ def test_frozen_worker_trainer_stops_before_the_job_runs_elsewhere(
 def test_sigterm_worker_hands_its_job_back(cluster: Cluster) -> None:
     c = cluster
     job = c.submit(LONG)
-    wait_for(lambda: _checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
-    victim = _running_worker(c, job["id"])
+    wait_for(lambda: checkpointed_and_running(c, job["id"], 40), 120, "a first checkpoint")
+    victim = running_worker(c, job["id"])
     c.kill(victim, signal.SIGTERM)
     assert c.procs[victim].wait(timeout=60) == 0
     done = c.wait_state(job["id"], "succeeded", timeout=240)

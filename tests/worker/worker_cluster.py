@@ -5,6 +5,7 @@ temporary home. Jobs go in over REST with a real token."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -12,11 +13,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+from sqlalchemy import select
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -267,3 +272,74 @@ class Cluster:
         m = self.get(f"/v1/jobs/{job_id}/metrics", name=name)
         s = m["series"].get(name, {"steps": [], "values": []})
         return s["steps"], s["values"]
+
+
+# ---- what a test reads of a job, beside the REST answers ---------------------------------
+
+
+def job_events(c: Cluster, job_id: str) -> list[dict[str, Any]]:
+    from torchyard.store.paths import EVENTS_FILE, job_dir
+
+    p = job_dir(c.storage, job_id) / EVENTS_FILE
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def job_weights(c: Cluster, job_id: str) -> dict[str, torch.Tensor]:
+    from torchyard.store.paths import job_dir
+
+    return load_file(str(job_dir(c.storage, job_id) / "model.safetensors"))
+
+
+def running_worker(c: Cluster, job_id: str) -> str:
+    j = c.job(job_id)
+    return j["attempts"][-1]["workers"][0]["worker_id"]
+
+
+def trainer_pid(c: Cluster, job_id: str) -> int:
+    from torchyard.store.models import Assignment
+
+    def pid() -> int | None:
+        with c.session() as s:
+            return s.scalar(
+                select(Assignment.pid)
+                .where(Assignment.job_id == job_id, Assignment.ended_at.is_(None))
+                .order_by(Assignment.id.desc())
+            )
+
+    return wait_for(pid, 60, "the trainer's pid")
+
+
+def checkpointed_and_running(c: Cluster, job_id: str, min_step: int) -> bool:
+    j = c.job(job_id)
+    if j["state"] != "running":
+        return False
+    cks = c.get(f"/v1/jobs/{job_id}/checkpoints")["items"]
+    return any(ck["step"] >= min_step for ck in cks)
+
+
+def backend_cluster(
+    request: Any, tmp_path_factory: Any, *, workers: int = 2, schedulers: int = 1
+) -> Iterator[Cluster]:
+    """The body of a module-scoped `cluster` fixture parametrised by backend: "embedded"
+    (SQLite + the filesystem broker) or "redis-postgres" (a fresh PostgreSQL database on
+    the shared server, dropped after, and Redis)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "embedded":
+        c = Cluster(tmp)
+    else:
+        from worker_factories import drop_pg_databases, new_pg_database
+
+        make = new_pg_database(request.getfixturevalue("pg_url"))
+        request.addfinalizer(lambda: drop_pg_databases(make))
+        c = Cluster(tmp, database_url=make(), broker_url=request.getfixturevalue("redis_url"))
+    try:
+        yield c.start(workers=workers, schedulers=schedulers)
+    finally:
+        c.stop()
+
+
+# The `params` of such a fixture.
+BACKENDS = [
+    "embedded",
+    pytest.param("redis-postgres", marks=[pytest.mark.redis, pytest.mark.postgres]),
+]

@@ -1,0 +1,69 @@
+"""What a job brings besides its spec, made ready on this host before its trainer starts:
+its code bundle (unpacked once per bundle and host, content-checked: store/bundlefiles.py)
+and the file of weights its `init` names (checked against its recorded sha256).
+
+A problem here is the job's, and running it again would meet it again: `InputError`
+fails the attempt without a retry. A full disk is not the job's (an OSError: handed back).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from torchyard.store.bundlefiles import BundleRejected, archive_path, sha256_file, unpack_cached
+from torchyard.store.checkpoints import checkpoint_file, init_checkpoint
+from torchyard.store.paths import UnsafePath
+from torchyard.store.settings import Settings
+
+
+class InputError(Exception):
+    """The job's bundle or init weights cannot be had: fail it, do not retry."""
+
+
+def bundle_cache(settings: Settings) -> Path:
+    """Unpacked bundles on this host: under TORCHYARD_HOME, shared by its workers."""
+    return settings.home.resolve() / "cache" / "bundles"
+
+
+def code_dir(settings: Settings, spec: dict[str, Any]) -> Path | None:
+    """The job's unpacked bundle (None: the job has no code)."""
+    bundle = (spec.get("code") or {}).get("bundle")
+    if not bundle:
+        return None
+    archive = archive_path(settings.storage, bundle)
+    if not archive.is_file():
+        raise InputError(f"code bundle {bundle}: its archive {archive} is missing from storage")
+    try:
+        return unpack_cached(
+            archive,
+            bundle,
+            bundle_cache(settings),
+            max_files=settings.max_bundle_files,
+            max_bytes=settings.max_bundle_bytes,
+        )
+    except BundleRejected as e:
+        raise InputError(f"code bundle {bundle}: {e.reason}") from None
+
+
+def init_file(session: Session, settings: Settings, spec: dict[str, Any]) -> Path | None:
+    """The weights file the spec's `init` names, its sha256 checked (None: no init)."""
+    init = spec.get("init")
+    if not init:
+        return None
+    source, which = init["from_job"], init.get("checkpoint", "latest")
+    row = init_checkpoint(session, source, which)
+    if row is None:
+        raise InputError(f"init: job {source} has no checkpoint '{which}' on record")
+    try:
+        path = checkpoint_file(settings.storage, row)
+    except (FileNotFoundError, UnsafePath):
+        raise InputError(
+            f"init: the file of job {source}'s checkpoint {row.path} is gone"
+        ) from None
+    if sha256_file(path) != row.sha256:
+        raise InputError(f"init: job {source}'s {row.path} does not match its recorded sha256")
+    return path
+
