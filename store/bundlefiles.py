@@ -90,8 +90,13 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def is_bundle_id(value: object) -> bool:
+    """A sha256 in lowercase hex: what a bundle id is."""
+    return isinstance(value, str) and _BUNDLE_ID.fullmatch(value) is not None
+
+
 def _check_id(bundle_id: str) -> None:
-    if not isinstance(bundle_id, str) or not _BUNDLE_ID.match(bundle_id):
+    if not is_bundle_id(bundle_id):
         raise ValueError(f"not a bundle id (64 lowercase hex digits): {bundle_id!r}")
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -20,16 +19,14 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from torchyard.store.bundlefiles import archive_path
+from torchyard.store.bundlefiles import archive_path, is_bundle_id
 from torchyard.store.models import Bundle, utcnow
-
-BUNDLE_ID = re.compile(r"^[0-9a-f]{64}$")
 
 
 def get_bundle(session: Session, owner_id: int | None, bundle_id: str) -> Bundle | None:
     """The owner's row of the bundle, or None (also for a malformed id). `owner_id=None`:
     any owner's row (what an admin may see); the rows of one id differ only in owner."""
-    if not BUNDLE_ID.match(bundle_id):
+    if not is_bundle_id(bundle_id):
         return None
     if owner_id is not None:
         return session.get(Bundle, (bundle_id, owner_id))
@@ -57,8 +54,6 @@ def record_bundle(session: Session, owner_id: int, bundle_id: str, bytes: int, f
 
 def names_path(storage: Path, bundle_id: str) -> Path:
     """`<storage>/bundles/<id>.files.json`: the archive's file names."""
-    if not BUNDLE_ID.match(bundle_id):
-        raise ValueError(f"not a bundle id: {bundle_id!r}")
     return archive_path(storage, bundle_id).with_name(f"{bundle_id}.files.json")
 
 
@@ -82,7 +77,7 @@ def write_bundle_names(storage: Path, bundle_id: str, names: list[str]) -> None:
 def bundle_names(storage: Path, bundle_id: str) -> list[str] | None:
     """The names of the bundle's files, or None when they are not on record (an unknown
     or malformed id, or a names file that is missing or unreadable)."""
-    if not BUNDLE_ID.match(bundle_id):
+    if not is_bundle_id(bundle_id):
         return None
     try:
         names = json.loads(names_path(storage, bundle_id).read_text())

@@ -111,6 +111,14 @@ class InitError(Exception):
     """The spec's `init` weights cannot start this model (missing, mismatched tensors)."""
 
 
+def describe(e: BaseException) -> str:
+    """The `error` event's message: our own error types say what happened in their text;
+    any other exception needs its type's name too."""
+    if isinstance(e, UserCodeError | InitError | SpecProblem):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
 def classify(e: BaseException, run_dir: Path) -> tuple[str, int]:
     """(error kind, exit code) for an exception that ended training. OOM first: a rank that
     ran out of memory inside a collective is the cause, not a victim."""

@@ -56,7 +56,7 @@ from torchyard.trainer.distributed import (
 )
 from torchyard.trainer.envinfo import versions
 from torchyard.trainer.events import EventSink
-from torchyard.trainer.failures import InitError, SpecProblem, UserCodeError, classify
+from torchyard.trainer.failures import classify, describe
 from torchyard.trainer.models import build_model
 from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
 from torchyard.trainer.signals import StopFlag
@@ -66,7 +66,6 @@ from torchyard.trainer.spec import JobSpec, batch_split_problem, spec_to_dict
 # interval under DDP, where every rank must agree on the step to stop at.
 MAX_SYNC_EVERY = 10
 PROGRESS_EVERY_S = 1.0
-OURS = (UserCodeError, InitError, SpecProblem)
 
 
 @dataclass
@@ -129,9 +128,7 @@ def run(spec: JobSpec, r: Run) -> int:
         kind, code = classify(e, r.run_dir)
         if kind == "internal":
             traceback.print_exc(file=sys.stderr)
-        # Our own error types say what happened in their message; others need their name.
-        message = str(e) if isinstance(e, OURS) else f"{type(e).__name__}: {e}"
-        return _fail(r, kind, message, pos, code)
+        return _fail(r, kind, describe(e), pos, code)
 
 
 def _fail(r: Run, kind: str, message: str, pos: Position, code: int) -> int:

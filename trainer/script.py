@@ -44,7 +44,7 @@ from torchyard.trainer import exitcodes
 from torchyard.trainer.checkpoint import export_weights, prune, save_checkpoint
 from torchyard.trainer.distributed import Dist
 from torchyard.trainer.envinfo import versions
-from torchyard.trainer.failures import UserCodeError, classify
+from torchyard.trainer.failures import UserCodeError, classify, describe
 from torchyard.trainer.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -70,8 +70,7 @@ def run_script(spec: JobSpec, r: Run, code_dir: Path) -> int:
         kind, code = classify(e, r.run_dir)
         if kind == "internal":
             traceback.print_exc(file=sys.stderr)
-        message = str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"
-        return fail(r, kind, message, b.last_step if b else 0, code)
+        return fail(r, kind, describe(e), b.last_step if b else 0, code)
 
 
 class ScriptBackend:

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from torchyard.store.bundlefiles import BundleRejected, archive_path, sha256_file, unpack_cached
 from torchyard.store.checkpoints import checkpoint_file, init_checkpoint
+from torchyard.store.models import Checkpoint
 from torchyard.store.paths import UnsafePath
 from torchyard.store.settings import Settings
 
@@ -48,8 +49,9 @@ def code_dir(settings: Settings, spec: dict[str, Any]) -> Path | None:
         raise InputError(f"code bundle {bundle}: {e.reason}") from None
 
 
-def init_file(session: Session, settings: Settings, spec: dict[str, Any]) -> Path | None:
-    """The weights file the spec's `init` names, its sha256 checked (None: no init)."""
+def init_source(session: Session, spec: dict[str, Any]) -> Checkpoint | None:
+    """The recorded checkpoint the spec's `init` names (None: no init). Only this reads
+    the store: the file is checked after the session is closed (`init_file`)."""
     init = spec.get("init")
     if not init:
         return None
@@ -57,13 +59,18 @@ def init_file(session: Session, settings: Settings, spec: dict[str, Any]) -> Pat
     row = init_checkpoint(session, source, which)
     if row is None:
         raise InputError(f"init: job {source} has no checkpoint '{which}' on record")
+    return row
+
+
+def init_file(settings: Settings, row: Checkpoint) -> Path:
+    """The file of an init checkpoint, its recorded sha256 checked (a read of the whole
+    file: never inside a store transaction)."""
     try:
         path = checkpoint_file(settings.storage, row)
     except (FileNotFoundError, UnsafePath):
         raise InputError(
-            f"init: the file of job {source}'s checkpoint {row.path} is gone"
+            f"init: the file of job {row.job_id}'s checkpoint {row.path} is gone"
         ) from None
     if sha256_file(path) != row.sha256:
-        raise InputError(f"init: job {source}'s {row.path} does not match its recorded sha256")
+        raise InputError(f"init: job {row.job_id}'s {row.path} does not match its recorded sha256")
     return path
-

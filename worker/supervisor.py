@@ -59,7 +59,7 @@ from torchyard.store.states import CANCELLING
 from torchyard.trainer.eventfiles import rank_events_file
 from torchyard.worker.events import EventRecorder, EventTail, last_rank_event
 from torchyard.worker.identity import Device, is_loopback
-from torchyard.worker.inputs import InputError, code_dir, init_file
+from torchyard.worker.inputs import InputError, code_dir, init_file, init_source
 from torchyard.worker.outcome import (
     STOP_CANCEL,
     STOP_STORE_LOST,
@@ -513,8 +513,8 @@ class Supervision:
         resume = init = None
         if found is not None:
             self.resume_rel, resume = found
-        else:
-            init = self._tx(lambda s: init_file(s, self.ctx.settings, self.c.spec))
+        elif (row := self._tx(lambda s: init_source(s, self.c.spec))) is not None:
+            init = init_file(self.ctx.settings, row)
         code = code_dir(self.ctx.settings, self.c.spec)
         master = self._rendezvous()
         if self.c.world_size > 1 and master is None:
