@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -228,6 +229,18 @@ def test_nothing_lost_nothing_stuck_under_faults(
     )
     print(line, flush=True)
     (tmp_path / "chaos-report.txt").write_text("\n".join([*log_lines, line, *report.problems]))
+    keep_job_records(c.storage_root, report.problems, tmp_path / "failed-jobs")
     assert set(injector.done) == set(Injector.KINDS), injector.done
     assert report.problems == [], "\n".join(report.problems)
     assert leftover == [] and busy == []
+
+
+def keep_job_records(storage: Path, problems: list[str], into: Path) -> None:
+    """The logs and events of every job a problem names, kept beside the report: the
+    storage is a tmpfs that goes with the cluster (checkpoints are left out: large)."""
+    from torchyard.store.paths import job_dir
+
+    for job_id in sorted({p.split(":", 1)[0] for p in problems if re.match(r"[0-9a-f]{32}:", p)}):
+        src = job_dir(storage, job_id)
+        if src.is_dir():
+            shutil.copytree(src, into / job_id, ignore=shutil.ignore_patterns("checkpoints"))
