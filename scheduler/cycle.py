@@ -1,32 +1,58 @@
-"""One scheduling pass: read the idle workers and the head of the queue, plan with
-`scheduler/policy.py`, write the result in one batch (`store/queue.py`), and return the
+"""One scheduling pass: read the idle workers and each user's queue head, plan with
+`scheduler/policy.py` (fair share and quotas from `scheduler/fairshare.py`), pick victims
+for jobs that waited long enough behind lower-priority ones (`scheduler/preemption.py`),
+write the result in one batch (`store/queue.py`, `store/pool.py`), and return the
 messages to send once the caller has committed.
 
-Only as many queued jobs are read as could be placed on the idle workers (every job takes
-at least one), plus `LOOKAHEAD` more so that small jobs behind big waiting ones still
-backfill and the jobs at the head of a full cluster's queue get their pending reason.
+Only as many queued jobs of each user are read as could be placed on the idle workers
+(every job takes at least one), plus `LOOKAHEAD` more so that small jobs behind big
+waiting ones still backfill and the jobs at the head of a full cluster's queue get their
+pending reason. The extra reads fair share, quotas and preemption need are made only when
+they can matter: usage when two users have jobs queued, held workers when a user has a
+max_workers quota, running gangs when a job waited long enough and outranks one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from sqlalchemy.orm import Session
 
-from torchyard.scheduler.policy import RESERVE_AFTER_S, Kind, kind_of, plan
+from torchyard.scheduler import preemption
+from torchyard.scheduler.fairshare import FairShare
+from torchyard.scheduler.policy import RESERVE_AFTER_S, Kind, Plan, kind_of, plan
 from torchyard.store.dialect import db_now
 from torchyard.store.models import utcnow
+from torchyard.store.pool import (
+    held_by_owner,
+    lowest_preemptible_priority,
+    pool_users,
+    preempt,
+    preemptions_in_flight,
+    running_gangs,
+)
 from torchyard.store.queue import (
+    QueuedJob,
     idle_workers,
     live_counts,
-    queue_head,
+    queue_heads,
     set_pending_reasons,
     start_gangs,
 )
+from torchyard.store.usage import usage_by_user
 from torchyard.store.workers import stale_cutoff
 
 LOOKAHEAD = 200
+
+
+@dataclass(frozen=True)
+class PoolPolicy:
+    """The pool-sharing knobs (TORCHYARD_PREEMPT_AFTER_S, TORCHYARD_FAIRSHARE_HALF_LIFE_S)."""
+
+    preempt_after_s: float = 30.0
+    half_life_s: float = 86_400.0
 
 
 class Dispatch(NamedTuple):
@@ -39,31 +65,89 @@ class Dispatch(NamedTuple):
     rank: int
 
 
+def fair_share(
+    session: Session,
+    jobs: list[QueuedJob],
+    live_kinds: dict[Kind, int],
+    now: datetime,
+    half_life_s: float,
+) -> FairShare:
+    """What fair share and quotas need to know about the users with queued jobs."""
+    owners = {j.owner_id for j in jobs}
+    users = pool_users(session, owners)
+    fs = FairShare(users=users, half_life_s=half_life_s, unit=unit_of(live_kinds))
+    if len(owners) > 1:
+        fs.usage = usage_by_user(session, now, half_life_s, owners)
+    if any(u.max_workers is not None for u in users.values()):
+        fs.held = held_by_owner(session)
+    fs.preempting = preemptions_in_flight(session)
+    return fs
+
+
+def live_by_kind(session: Session, cutoff: datetime) -> dict[Kind, int]:
+    """Live workers (idle or busy, fresh heartbeat) per kind."""
+    out: dict[Kind, int] = {}
+    for device, name, count in live_counts(session, cutoff):
+        k = kind_of(device, name)
+        out[k] = out.get(k, 0) + count
+    return out
+
+
+def unit_of(live_kinds: dict[Kind, int]) -> str:
+    devices = {k[0] for k in live_kinds}
+    return {frozenset({"cuda"}): "GPU", frozenset({"cpu"}): "CPU slot"}.get(
+        frozenset(devices), "worker"
+    )
+
+
+def _preempt(
+    session: Session,
+    p: Plan,
+    live_kinds: dict[Kind, int],
+    now: datetime,
+    after_s: float,
+) -> None:
+    """Choose and ask victims for the waiting jobs that may preempt; their reasons say so."""
+    ready = preemption.eligible(p.waiting, now, after_s)
+    if not ready or p.left is None:
+        return
+    lowest = lowest_preemptible_priority(session)
+    top = max(j.priority for j in ready)
+    if lowest is None or lowest >= top:
+        return
+    choice = preemption.choose(ready, p.left, running_gangs(session, top), live_kinds)
+    asked = {v.by_job_id for v in preempt(session, choice.preemptions)}
+    p.reasons.update({j: r for j, r in choice.reasons.items() if j in asked})
+
+
 def schedule(
     session: Session,
     *,
     heartbeat_timeout_s: float,
     reserve_after_s: float = RESERVE_AFTER_S,
+    pool: PoolPolicy | None = None,
     now: datetime | None = None,
 ) -> list[Dispatch]:
     """Run one pass in the caller's transaction; the caller commits, then sends the
     returned dispatches (never before: a worker must find its assignment in the store).
     A pass that lost a race (a row changed under it) writes nothing and returns []: the
     next pass sees the new state."""
+    pool = pool or PoolPolicy()
     now = now or db_now(session)
     cutoff = stale_cutoff(session, heartbeat_timeout_s, now)
     free = idle_workers(session, cutoff)
-    jobs = queue_head(session, len(free) + LOOKAHEAD)
+    jobs = queue_heads(session, len(free) + LOOKAHEAD)
     if not jobs:
         return []
-    live_kinds: dict[Kind, int] = {}
-    for device, name, count in live_counts(session, cutoff):
-        k = kind_of(device, name)
-        live_kinds[k] = live_kinds.get(k, 0) + count
-    p = plan(jobs, free, live_kinds, now=now, reserve_after_s=reserve_after_s)
+    live_kinds = live_by_kind(session, cutoff)
+    fs = fair_share(session, jobs, live_kinds, now, pool.half_life_s)
+    p = plan(jobs, free, live_kinds, now=now, reserve_after_s=reserve_after_s, share=fs)
     started = start_gangs(session, p.gangs)
+    if started is None:
+        return []
+    _preempt(session, p, live_kinds, now, pool.preempt_after_s)
     set_pending_reasons(session, p.reasons)
-    return [Dispatch(*s) for s in started or []]
+    return [Dispatch(*s) for s in started]
 
 
 def resend_due(last_sent: dict[int, datetime], assignment_id: int, every_s: float) -> bool:
@@ -75,3 +159,30 @@ def resend_due(last_sent: dict[int, datetime], assignment_id: int, every_s: floa
         return False
     last_sent[assignment_id] = t
     return True
+
+
+class QueueEntry(NamedTuple):
+    position: int  # 1 = the next to start
+    job: QueuedJob
+    owner: str
+    usage_s: float  # the owner's decayed worker-seconds
+
+
+def queue_order(
+    session: Session, half_life_s: float, heartbeat_timeout_s: float, *, per_user: int = 1000
+) -> tuple[list[QueueEntry], FairShare]:
+    """The queued jobs in the order a pass would consider them now (at most `per_user` of
+    each user), for GET /v1/queue; each keeps the pending reason the last pass wrote."""
+    jobs = queue_heads(session, per_user, lock=False)
+    now = db_now(session)
+    cutoff = stale_cutoff(session, heartbeat_timeout_s, now)
+    live_kinds = live_by_kind(session, cutoff)
+    owners = {j.owner_id for j in jobs}
+    fs = FairShare(
+        users=pool_users(session, owners), half_life_s=half_life_s, unit=unit_of(live_kinds)
+    )
+    fs.usage = usage_by_user(session, now, half_life_s, owners)
+    return [
+        QueueEntry(i, j, fs.name(j.owner_id), fs.usage.get(j.owner_id, 0.0))
+        for i, j in enumerate(fs.order(jobs), start=1)
+    ], fs

@@ -6,7 +6,11 @@ GPUs of unknown name go together). A CPU rank would pick gloo where the GPU rank
 NCCL and the rendezvous would hang, and a mixed-model gang runs at its slowest card's pace
 and can resolve `precision: auto` differently.
 
-Backfill policy. Jobs are considered in order (priority desc, created_at asc). A job
+Order: priority first; among equal priorities, users by fair share (their decayed usage
+over their share, `scheduler/fairshare.py`); within a user, age. A user's jobs that would
+take them past their `max_workers` quota wait and take nothing from anyone.
+
+Backfill policy. Jobs are considered in that order. A job
 that does not fit in the idle workers now does not stop smaller jobs behind it from
 starting on the idle workers that are left (backfill), so a big job never blocks the
 queue. To keep a big job from starving behind a stream of small ones, a job that has
@@ -25,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from torchyard.scheduler.fairshare import FairShare
 from torchyard.store.queue import FreeWorker, QueuedJob
 
 RESERVE_AFTER_S = 300.0
@@ -122,10 +127,14 @@ class Pools:
 
 @dataclass
 class Plan:
-    """What one pass does: gangs to start, in queue order, and new pending reasons."""
+    """What one pass does: gangs to start, in queue order, and new pending reasons; the
+    jobs that wait although they could run on this cluster (in order) and the idle
+    workers left, for preemption to look at."""
 
     gangs: list[tuple[QueuedJob, list[FreeWorker]]] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
+    waiting: list[QueuedJob] = field(default_factory=list)
+    left: Pools | None = None
 
 
 def cluster_reason(n: int, live_kinds: dict[Kind, int]) -> str | None:
@@ -164,29 +173,43 @@ def plan(
     *,
     now: datetime,
     reserve_after_s: float = RESERVE_AFTER_S,
+    share: FairShare | None = None,
 ) -> Plan:
-    """Walk the queue head in order: start what fits (gang, backfill), give the rest a
-    reason, and let a job that waited past `reserve_after_s` reserve workers."""
+    """Walk the queue in fair-share order: start what fits (gang, backfill) within each
+    user's max_workers, give the rest a reason, and let a job that waited past
+    `reserve_after_s`, or whose preemption is under way, reserve workers."""
+    share = share or FairShare()
     out = Plan()
     pools = Pools(free)
     waiting_ahead = 0  # jobs earlier in the order that wait and could run on this cluster
-    for job in jobs:
+    for job in share.order(jobs):
         n = job.world_size
-        reason = cluster_reason(n, live_kinds)
+        reason = cluster_reason(n, live_kinds) or share.quota_reason(job)
         if reason is None:
-            chosen = pools.take_gang(n)
-            if chosen is not None:
+            if job.id in share.preempting:
+                reason = share.preempting_reason(job.id)
+                _reserve(pools, n)
+            elif (chosen := pools.take_gang(n)) is not None:
                 out.gangs.append((job, chosen))
+                share.started(job)
                 continue
-            reason = wait_reason(n, pools, waiting_ahead)
-            if (now - job.created_at).total_seconds() > reserve_after_s:
-                # Starvation guard: keep the idle workers it needs for it (of the kind
-                # closest to enough).
-                kind, _ = pools.largest()
-                if kind is not None:
-                    pools.reserve(kind, n)
-                reason += " (reserving workers)"
+            else:
+                reason = share.wait_prefix(job) + wait_reason(n, pools, waiting_ahead)
+                if (now - job.created_at).total_seconds() > reserve_after_s:
+                    # Starvation guard: keep the idle workers it needs for it.
+                    _reserve(pools, n)
+                    reason += " (reserving workers)"
+                out.waiting.append(job)
+            share.waits(job)
             waiting_ahead += 1
         if job.pending_reason != reason:
             out.reasons[job.id] = reason
+    out.left = pools
     return out
+
+
+def _reserve(pools: Pools, n: int) -> None:
+    """Hold back up to n idle workers (of the kind closest to enough) for a waiting job."""
+    kind, idle = pools.largest()
+    if kind is not None:
+        pools.reserve(kind, min(n, idle))

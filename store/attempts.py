@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -160,14 +160,28 @@ def attempt_hosts(session: Session, attempt_id: int) -> list[str]:
     return sorted(rows)
 
 
-def job_and_attempt_state(session: Session, attempt_id: int) -> tuple[str | None, str | None]:
-    """(the job's state, the attempt's state); (None, None) when the attempt is gone."""
+class AttemptStatus(NamedTuple):
+    """What a supervisor polls: the job's state, the attempt's, and the job the attempt is
+    being preempted for (None: not preempted). All None when the attempt is gone."""
+
+    job: str | None
+    attempt: str | None
+    preempted_by: str | None = None
+
+
+def attempt_status(session: Session, attempt_id: int) -> AttemptStatus:
     row = session.execute(
-        select(Job.state, Attempt.state)
+        select(Job.state, Attempt.state, Attempt.preempted_by)
         .join(Attempt, Attempt.job_id == Job.id)
         .where(Attempt.id == attempt_id)
     ).first()
-    return (row[0], row[1]) if row else (None, None)
+    return AttemptStatus(*row) if row else AttemptStatus(None, None)
+
+
+def job_and_attempt_state(session: Session, attempt_id: int) -> tuple[str | None, str | None]:
+    """(the job's state, the attempt's state); (None, None) when the attempt is gone."""
+    st = attempt_status(session, attempt_id)
+    return st.job, st.attempt
 
 
 def ingest_start(session: Session, job_id: str) -> int:

@@ -40,6 +40,10 @@ def get_or_create_user(
     return user
 
 
+def user_named(session: Session, user_name: str) -> User | None:
+    return session.scalar(select(User).where(User.name == user_name))
+
+
 def create_token(
     session: Session, user_name: str, admin: bool = False, can_run_code: bool = False
 ) -> str:

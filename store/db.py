@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,8 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
+    # Fair share's decay (store/usage.py) needs exp(), which only some SQLite builds have.
+    dbapi_conn.create_function("exp", 1, math.exp, deterministic=True)
 
 
 def make_engine(

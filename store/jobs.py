@@ -79,19 +79,32 @@ def _replay(session: Session, user_id: int, key: str, request_hash: str) -> Job 
     return job
 
 
-def _new_job(owner_id: int, spec: dict[str, Any], name: str, now: datetime) -> Job:
+def idempotency_key_used(session: Session, user_id: int, key: str) -> bool:
+    """Whether `create_job` with this key would answer from an earlier job (a replay or
+    a conflict) rather than store a new one: such a retry is not refused by a quota."""
+    q = select(IdempotencyKey.job_id).where(
+        IdempotencyKey.user_id == user_id, IdempotencyKey.key == key
+    )
+    return session.scalar(q) is not None
+
+
+def _new_job(
+    owner_id: int, spec: dict[str, Any], name: str, now: datetime, sweep_id: str | None = None
+) -> Job:
     return Job(
         owner_id=owner_id,
         name=name,
         spec=spec,
         world_size=int(spec.get("world_size", 1)),
         priority=int(spec.get("priority", 0)),
+        preemptible=bool(spec.get("preemptible", True)),
         max_restarts=int(spec.get("max_restarts", 2)),
         state=QUEUED,
         attempt=1,
         cancel_requested=False,
         created_at=now,
         updated_at=now,
+        sweep_id=sweep_id,
     )
 
 
@@ -130,18 +143,20 @@ def create_job(
     *,
     name: str,
     idempotency_key: str | None = None,
+    sweep_id: str | None = None,
 ) -> tuple[Job, bool]:
     """Store a queued job for a normalised spec. Returns (job, created).
 
     With an idempotency key already used by this user: the original job and
     created=False when the spec is the same, IdempotencyConflict when it is not.
+    `sweep_id`: the sweep the job is a trial of.
     """
     request_hash = spec_hash(spec)
     if idempotency_key is not None:
         job = _replay(session, owner_id, idempotency_key, request_hash)
         if job is not None:
             return job, False
-    job = _new_job(owner_id, spec, name, utcnow())
+    job = _new_job(owner_id, spec, name, utcnow(), sweep_id)
     try:
         _insert(session, job, idempotency_key, request_hash)
     except IntegrityError:
@@ -214,18 +229,17 @@ def list_jobs(
     return page, next_cursor
 
 
-def request_cancel(session: Session, job: Job) -> Job:
+def request_cancel(session: Session, job: Job, *, reason: str = "cancel requested") -> Job:
     """Record a cancel: queued→cancelled at once, starting/running→cancelling (the worker
     then stops the trainer). Idempotent for a job already cancelling or cancelled;
-    IllegalTransition for a job that already succeeded or failed."""
+    IllegalTransition for a job that already succeeded or failed. `reason` goes into the
+    state event (a sweep's pruner says `pruned`)."""
     for _ in range(5):
         if job.state in (CANCELLING, CANCELLED):
             return job
         target = CANCELLED if job.state == QUEUED else CANCELLING
         try:
-            return transition(
-                session, job, target, reason="cancel requested", cancel_requested=True
-            )
+            return transition(session, job, target, reason=reason, cancel_requested=True)
         except IllegalTransition:
             if job.state not in (QUEUED, STARTING, RUNNING, CANCELLING, CANCELLED):
                 raise  # succeeded or failed: nothing left to cancel

@@ -110,7 +110,8 @@ def finish_attempt(
 
     - succeeded -> job succeeded; cancelled, or any end while the job is cancelling ->
       job cancelled (succeeded still wins if the trainer finished first);
-    - handed_back (a stopping worker) -> job queued with attempt + 1, not counted;
+    - handed_back (a stopping worker, or preempted for a higher-priority job) -> job
+      queued with attempt + 1, not counted;
     - failed with retryable=False (a deterministic error) -> job failed with `error`;
     - lost, or failed with retryable=True -> job queued with attempt + 1 while the failed
       and lost attempts number at most max_restarts, else failed.
@@ -124,7 +125,7 @@ def finish_attempt(
         return None
     if job.attempt != attempt.number or job.state not in (STARTING, RUNNING, CANCELLING):
         return job.state  # an older attempt, or the API already ended the job
-    _move_job(session, job, attempt.number, outcome, reason or outcome, error, retryable)
+    _move_job(session, job, attempt, outcome, reason or outcome, error, retryable)
     return job.state
 
 
@@ -155,13 +156,14 @@ def _end_attempt(
 def _move_job(
     session: Session,
     job: Job,
-    number: int,
+    attempt: Attempt,
     outcome: str,
     why: str,
     error: str | None,
     retryable: bool,
 ) -> None:
-    """What attempt `number`'s end (`outcome`) does to its job (see `finish_attempt`)."""
+    """What the attempt's end (`outcome`) does to its job (see `finish_attempt`)."""
+    number = attempt.number
     if job.state == CANCELLING:
         transition(session, job, SUCCEEDED if outcome == A_SUCCEEDED else CANCELLED, reason=why)
     elif outcome == A_SUCCEEDED:
@@ -172,6 +174,9 @@ def _move_job(
     elif outcome == A_CANCELLED or (outcome == A_FAILED and not retryable):
         # A cancel nothing asked for (the job is not cancelling), or a deterministic error.
         transition(session, job, FAILED, reason=why, error=error or why)
+    elif outcome == A_HANDED_BACK and attempt.preempted_by is not None:
+        pending = f"preempted by job {attempt.preempted_by}; resumes from its checkpoint"
+        _requeue(session, job, why, pending)
     elif outcome == A_HANDED_BACK:
         _requeue(session, job, why, f"handed back: {why}")
     else:

@@ -147,12 +147,20 @@ ORDER BY b.last_step
 """
 _POINTS_SRC = """
 SELECT step AS s, value AS vmin, value AS vmax, step AS last_step FROM metrics
-WHERE job_id = :job AND name = :name AND step > :after AND step < :until
+WHERE job_id = :job AND name = :name AND step >= :p0 AND step < :p1
+"""
+# The points after the last whole block of a range (its cut tail).
+_TAIL_SRC = """
+SELECT step AS s, value AS vmin, value AS vmax, step AS last_step FROM metrics
+WHERE job_id = :job AND name = :name AND step >= :t0 AND step <= :hi
 """
 _BLOCKS_SRC = """
 SELECT block * :level AS s, vmin, vmax, last_step FROM metric_blocks
 WHERE job_id = :job AND name = :name AND level = :level AND block >= :first_block
+    AND block < :last_block
 """
+# Steps are stored as 64-bit integers; these bound any range.
+NO_LOWER, NO_UPPER = -(2**62), 2**62
 
 
 def metric_names(session: Session, job_id: str) -> list[str]:
@@ -164,61 +172,96 @@ def metric_names(session: Session, job_id: str) -> list[str]:
 
 
 def _raw_series(
-    session: Session, job_id: str, name: str, after_step: int, limit: int | None = None
+    session: Session,
+    job_id: str,
+    name: str,
+    after_step: int,
+    limit: int | None = None,
+    max_step: int = NO_UPPER,
 ) -> dict[str, list[Any]]:
     q = (
         select(Metric.step, Metric.value)
-        .where(Metric.job_id == job_id, Metric.name == name, Metric.step > after_step)
+        .where(
+            Metric.job_id == job_id,
+            Metric.name == name,
+            Metric.step > after_step,
+            Metric.step <= max_step,
+        )
         .order_by(Metric.step)
     )
     rows = session.execute(q if limit is None else q.limit(limit)).all()
     return {"steps": [int(r[0]) for r in rows], "values": [r[1] for r in rows]}
 
 
-def _downsampled_series(
-    session: Session, job_id: str, name: str, after_step: int, max_points: int
-) -> dict[str, list[Any]]:
-    where = (Metric.job_id == job_id, Metric.name == name, Metric.step > after_step)
-    # Two index probes (first and last step); MIN and MAX together may scan every point.
-    lo, hi = session.execute(
-        select(
-            select(Metric.step).where(*where).order_by(Metric.step).limit(1).scalar_subquery(),
-            select(Metric.step)
-            .where(*where)
-            .order_by(Metric.step.desc())
-            .limit(1)
-            .scalar_subquery(),
-        )
-    ).one()
-    if lo is None:
-        return {"steps": [], "values": [], "min": [], "max": []}
-    lo, hi = int(lo), int(hi)
+def _first_last(
+    session: Session, job_id: str, name: str, lo_bound: int, hi_bound: int
+) -> tuple[int, int] | None:
+    """The first and last recorded steps within [lo_bound, hi_bound]: two index probes
+    (MIN and MAX together may scan every point)."""
+    where = (
+        Metric.job_id == job_id,
+        Metric.name == name,
+        Metric.step >= lo_bound,
+        Metric.step <= hi_bound,
+    )
+    first = select(Metric.step).where(*where).order_by(Metric.step).limit(1)
+    last = select(Metric.step).where(*where).order_by(Metric.step.desc()).limit(1)
+    lo, hi = session.execute(select(first.scalar_subquery(), last.scalar_subquery())).one()
+    return None if lo is None else (int(lo), int(hi))
+
+
+def _bucket_plan(lo: int, hi: int, max_points: int, whole_tail: bool) -> tuple[str, dict[str, Any]]:
+    """The bucket statement's source and parameters for the recorded steps lo..hi: points
+    alone, or whole rollup blocks inside the range with the points of its cut ends.
+    `whole_tail`: nothing is recorded after `hi`, so the block holding it is whole too."""
     width = max(1, -(-(hi - lo + 1) // max_points))  # ceil: at most max_points buckets
     level = max((lv for lv in BLOCK_LEVELS if lv <= width and lo >= 0), default=1)
-    params: dict[str, Any] = {"job": job_id, "name": name, "after": after_step}
     if level == 1:
-        sql = _BUCKETS_SQL.format(src=_POINTS_SRC)
-        params.update(lo=lo, width=width, until=hi + 1)
-    else:
-        # Buckets made of whole blocks: the grid starts at a block boundary and its width
-        # is a multiple of the level; a first block cut by `after_step` comes from points.
-        width = level * -(-(hi - (lo // level) * level + 1) // (max_points * level))
-        first_block = -(-lo // level)  # the first block that starts at or after lo
-        sql = _BUCKETS_SQL.format(src=_POINTS_SRC + " UNION ALL " + _BLOCKS_SRC)
-        params.update(
-            lo=(lo // level) * level,
-            width=width,
-            level=level,
-            first_block=first_block,
-            until=first_block * level,
-        )
-    rows = session.execute(text(sql), params).all()
+        return _POINTS_SRC, {"lo": lo, "width": width, "p0": lo, "p1": hi + 1}
+    # Buckets made of whole blocks: the grid starts at a block boundary and its width is a
+    # multiple of the level; the ends of the range cut by its bounds come from points.
+    grid = (lo // level) * level
+    width = level * -(-(hi - grid + 1) // (max_points * level))
+    first_block = -(-lo // level)  # the first block that starts at or after lo
+    last_block = hi // level + 1 if whole_tail else (hi + 1) // level  # exclusive
+    if first_block >= last_block:  # no whole block inside: fewer than 2 levels of points
+        return _POINTS_SRC, {"lo": grid, "width": width, "p0": lo, "p1": hi + 1}
+    src = _POINTS_SRC + " UNION ALL " + _BLOCKS_SRC + " UNION ALL " + _TAIL_SRC
+    params = {"lo": grid, "width": width, "level": level, "first_block": first_block,
+              "last_block": last_block, "p0": lo, "p1": first_block * level,
+              "t0": last_block * level, "hi": hi}  # fmt: skip
+    return src, params
+
+
+def _downsampled_series(
+    session: Session,
+    job_id: str,
+    name: str,
+    after_step: int,
+    max_points: int,
+    max_step: int = NO_UPPER,
+) -> dict[str, list[Any]]:
+    bounds = _first_last(session, job_id, name, after_step + 1, max_step)
+    if bounds is None:
+        return {"steps": [], "values": [], "min": [], "max": []}
+    lo, hi = bounds
+    src, params = _bucket_plan(lo, hi, max_points, whole_tail=max_step >= NO_UPPER)
+    params.update(job=job_id, name=name)
+    rows = session.execute(text(_BUCKETS_SQL.format(src=src)), params).all()
     return {
         "steps": [int(r[0]) for r in rows],
         "values": [r[1] for r in rows],
         "min": [r[2] for r in rows],
         "max": [r[3] for r in rows],
     }
+
+
+def _range(after_step: int | None, min_step: int | None, max_step: int | None) -> tuple[int, int]:
+    """(the step points must be after, the last step they may have)."""
+    after = NO_LOWER if after_step is None else after_step
+    if min_step is not None:
+        after = max(after, min_step - 1)
+    return after, NO_UPPER if max_step is None else max_step
 
 
 def query_series(
@@ -228,19 +271,22 @@ def query_series(
     names: list[str] | None = None,
     after_step: int | None = None,
     max_points: int | None = None,
+    min_step: int | None = None,
+    max_step: int | None = None,
 ) -> dict[str, dict[str, list[Any]]]:
     """Curves of a job: `{name: {"steps": [...], "values": [...]}}`, steps ascending, only
-    steps after `after_step`. With `max_points` each curve has at most that many points
-    (one per bucket of steps: the bucket's last point) plus per-point `min` and `max`.
-    Names asked for but never recorded come back as empty series."""
+    steps after `after_step` and within [min_step, max_step]. With `max_points` each curve
+    has at most that many points (one per bucket of steps within that range: the bucket's
+    last point) plus per-point `min` and `max`. Names asked for but never recorded come
+    back as empty series."""
     wanted = names if names else metric_names(session, job_id)
-    after = -(2**62) if after_step is None else after_step
+    after, until = _range(after_step, min_step, max_step)
     out: dict[str, dict[str, list[Any]]] = {}
     for name in wanted:
         if max_points is None:
-            out[name] = _raw_series(session, job_id, name, after)
+            out[name] = _raw_series(session, job_id, name, after, max_step=until)
         else:
-            out[name] = _downsampled_series(session, job_id, name, after, max_points)
+            out[name] = _downsampled_series(session, job_id, name, after, max_points, until)
     return out
 
 
@@ -251,13 +297,15 @@ def query_page(
     names: list[str] | None = None,
     after_step: int | None = None,
     limit: int,
+    min_step: int | None = None,
+    max_step: int | None = None,
 ) -> tuple[dict[str, dict[str, list[Any]]], int | None]:
-    """Raw curves, at most `limit` points per curve, and the step to page on from (pass it
-    back as `after_step`), None when every curve is complete. All curves are cut at the
-    same step, so paging returns each point exactly once."""
+    """Raw curves within [min_step, max_step], at most `limit` points per curve, and the
+    step to page on from (pass it back as `after_step`), None when every curve is complete.
+    All curves are cut at the same step, so paging returns each point exactly once."""
     wanted = names if names else metric_names(session, job_id)
-    after = -(2**62) if after_step is None else after_step
-    out = {n: _raw_series(session, job_id, n, after, limit + 1) for n in wanted}
+    after, until = _range(after_step, min_step, max_step)
+    out = {n: _raw_series(session, job_id, n, after, limit + 1, until) for n in wanted}
     cut = min(
         (c["steps"][limit - 1] for c in out.values() if len(c["steps"]) > limit), default=None
     )

@@ -26,6 +26,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
     literal_column,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -73,6 +74,11 @@ class User(Base):
     can_run_code: Mapped[bool] = mapped_column(
         Boolean, default=False, server_default=false(), nullable=False
     )
+    # The pool's limits, set by an admin (PUT /v1/users/{name}/quota); None: no limit.
+    max_workers: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Fair share: usage is divided by this, so a share of 2 may use twice as much.
+    share: Mapped[float] = mapped_column(Float, default=1.0, server_default="1", nullable=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -108,6 +114,10 @@ class Job(Base):
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     world_size: Mapped[int] = mapped_column(Integer, default=1)
     priority: Mapped[int] = mapped_column(Integer, default=0)
+    # spec.preemptible: a higher-priority job may stop it (it resumes from its checkpoint).
+    preemptible: Mapped[bool] = mapped_column(
+        Boolean, default=True, server_default=true(), nullable=False
+    )
     max_restarts: Mapped[int] = mapped_column(Integer, default=2)
     state: Mapped[str] = mapped_column(String(16), default="queued")
     # 1 for the first try; a lost attempt re-queues the job with attempt + 1.
@@ -126,6 +136,9 @@ class Job(Base):
     version: Mapped[int] = mapped_column(
         BigInteger, default=0, server_default="0", onupdate=literal_column("version + 1")
     )
+    # The sweep this job is a trial of (store/sweeps.py); no foreign key, so that adding the
+    # column rebuilds no table on SQLite.
+    sweep_id: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
 
     __table_args__ = (
         # Jobs by state (lists and counts), then priority and age. The scheduler reads the
@@ -139,6 +152,16 @@ class Job(Base):
 # the head of a 100k-job queue is read off the index without sorting every queued job.
 Index(
     "ix_jobs_queued_order",
+    Job.priority.desc(),
+    Job.created_at,
+    Job.id,
+    postgresql_where=Job.state == "queued",
+    sqlite_where=Job.state == "queued",
+)
+# Fair share reads each user's queue head apart (store/queue.py: queue_heads).
+Index(
+    "ix_jobs_queued_owner_order",
+    Job.owner_id,
     Job.priority.desc(),
     Job.created_at,
     Job.id,
@@ -172,6 +195,9 @@ class Attempt(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     resumed_from: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    # Set by the scheduler: the queued job this attempt is stopped for (preemption). The
+    # supervisor sees it, stops the trainer with SIGTERM and hands the job back.
+    preempted_by: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # Bytes of the job's events.jsonl ingested into the store by this attempt's supervisor,
     # committed with the rows they produced: whoever supervises next continues from here.
     events_offset: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
@@ -179,7 +205,13 @@ class Attempt(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
-    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        # Fair share reads the attempts that ended within its horizon (store/usage.py).
+        Index("ix_attempts_ended_at", "ended_at"),
+        # The scheduler reads the preemptions in flight each pass.
+        Index("ix_attempts_preempted_by", "preempted_by"),
+    )
 
 
 class Assignment(Base):
@@ -281,3 +313,92 @@ class IdempotencyKey(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     __table_args__ = (UniqueConstraint("user_id", "key", name="uq_idempotency_user_key"),)
+
+
+class Sweep(Base):
+    """A hyperparameter search (POST /v1/sweeps): trials are ordinary jobs of the owner, each
+    the base `spec` with values of `space` set at dotted paths. The controller
+    (scheduler/sweeps.py) asks Optuna for them; its study is named by the sweep's id."""
+
+    __tablename__ = "sweeps"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # the base spec, as given
+    space: Mapped[dict[str, Any]] = mapped_column(JSON)
+    metric: Mapped[str] = mapped_column(String(100))
+    mode: Mapped[str] = mapped_column(String(8))  # min, max
+    # Trials to run in all (a grid's size at most) and at most at once.
+    max_trials: Mapped[int] = mapped_column(Integer)
+    parallel: Mapped[int] = mapped_column(Integer)
+    sampler: Mapped[str] = mapped_column(String(16))  # random, tpe, grid
+    pruner: Mapped[str] = mapped_column(String(16))  # none, median, asha
+    seed: Mapped[int] = mapped_column(BigInteger)
+    # running, succeeded, failed, cancelled
+    state: Mapped[str] = mapped_column(String(16), default="running")
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    __table_args__ = (
+        Index("ix_sweeps_owner_created", "owner_id", "created_at"),
+        Index("ix_sweeps_state", "state"),
+    )
+
+
+class SweepTrial(Base):
+    """One trial of a sweep: Optuna's trial `number`, the values it sampled and the job that
+    runs them (None when they made an invalid spec). `outcome` is None while the trial runs,
+    then complete, pruned or failed: what Optuna is (or is about to be) told."""
+
+    __tablename__ = "sweep_trials"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), nullable=True, index=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    # The objective's newest point reported to Optuna (the final value once complete).
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    __table_args__ = (UniqueConstraint("sweep_id", "number", name="uq_sweep_trials_sweep_number"),)
+
+
+# The controller's pass reads the trials still running (a cancelled sweep's too).
+Index(
+    "ix_sweep_trials_open",
+    SweepTrial.sweep_id,
+    postgresql_where=SweepTrial.outcome.is_(None),
+    sqlite_where=SweepTrial.outcome.is_(None),
+)
+
+
+class _UiSecret:
+    """A dashboard secret, stored hashed, belonging to the API token that made it."""
+
+    secret_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_id: Mapped[int] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
+class UiLoginLink(_UiSecret, Base):
+    """A one-time login link of the dashboard (`torchyard ui`): exchanged once, within
+    minutes, for a session of the token that made it."""
+
+    __tablename__ = "ui_login_links"
+    used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class UiSession(_UiSecret, Base):
+    """A dashboard session (its secret is the HttpOnly cookie). It acts as the token it
+    was made from: revoking that token ends it."""
+
+    __tablename__ = "ui_sessions"

@@ -19,11 +19,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import NamedTuple
 
-from sqlalchemy import Integer, String, case, func, insert, literal, select, update
+from sqlalchemy import Integer, String, case, func, insert, literal, select, true, update
 from sqlalchemy.orm import Session
 
 from torchyard.store.dialect import is_postgres, unnest
-from torchyard.store.models import Assignment, Attempt, Job, Worker
+from torchyard.store.models import Assignment, Attempt, Job, User, Worker
 from torchyard.store.states import A_STARTING, QUEUED, STARTING, transition_many
 from torchyard.store.workers import BUSY, IDLE, LIVE
 
@@ -34,6 +34,8 @@ class QueuedJob(NamedTuple):
     created_at: datetime
     attempt: int
     pending_reason: str | None
+    owner_id: int = 0
+    priority: int = 0
 
 
 class FreeWorker(NamedTuple):
@@ -66,13 +68,24 @@ def idle_workers(session: Session, cutoff: datetime) -> list[FreeWorker]:
     return [FreeWorker(*row) for row in session.execute(q)]
 
 
+_QUEUED_COLS = (
+    Job.id,
+    Job.world_size,
+    Job.created_at,
+    Job.attempt,
+    Job.pending_reason,
+    Job.owner_id,
+    Job.priority,
+)
+
+
 def queue_head(session: Session, limit: int) -> list[QueuedJob]:
     """The first `limit` queued jobs by priority, then age (the partial index
     ix_jobs_queued_order serves exactly this order)."""
     if limit <= 0:
         return []
     q = (
-        select(Job.id, Job.world_size, Job.created_at, Job.attempt, Job.pending_reason)
+        select(*_QUEUED_COLS)
         .where(Job.state == QUEUED)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
         .limit(limit)
@@ -80,6 +93,33 @@ def queue_head(session: Session, limit: int) -> list[QueuedJob]:
     if is_postgres(session):
         q = q.with_for_update(skip_locked=True)
     return [QueuedJob(*row) for row in session.execute(q)]
+
+
+def queue_heads(session: Session, limit: int, *, lock: bool = True) -> list[QueuedJob]:
+    """The first `limit` queued jobs of every user, by priority then age: fair share may
+    put any user's head first, so each is read apart (one index probe per user on
+    ix_jobs_queued_owner_order; one LATERAL statement on PostgreSQL)."""
+    if limit <= 0:
+        return []
+    mine = (
+        select(*_QUEUED_COLS)
+        .where(Job.state == QUEUED)
+        .order_by(Job.priority.desc(), Job.created_at, Job.id)
+        .limit(limit)
+    )
+    if is_postgres(session):
+        head = mine.where(Job.owner_id == User.id)
+        if lock:  # a pass's read: two schedulers never take the same job
+            head = head.with_for_update(skip_locked=True)
+        lat = head.lateral("head")
+        rows = session.execute(select(lat).select_from(User).join(lat, true()))
+        return [QueuedJob(*row) for row in rows]
+    owners = session.scalars(select(User.id).order_by(User.id)).all()
+    return [
+        QueuedJob(*row)
+        for uid in owners
+        for row in session.execute(mine.where(Job.owner_id == uid))
+    ]
 
 
 def live_counts(session: Session, cutoff: datetime) -> list[tuple[str, str | None, int]]:

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     """TORCHYARD_HEARTBEAT_TIMEOUT_S: a worker silent this long is lost and its job re-queued."""
     cancel_grace_s: float = Field(default=10.0, ge=0)
     """TORCHYARD_CANCEL_GRACE_S: time between SIGTERM and SIGKILL of a cancelled trainer."""
+    preempt_after_s: float = Field(default=30.0, ge=0)
+    """TORCHYARD_PREEMPT_AFTER_S: how long a queued job waits for workers held by
+    lower-priority jobs before it preempts them (0: at once)."""
+    fairshare_half_life_s: float = Field(default=86_400.0, gt=0)
+    """TORCHYARD_FAIRSHARE_HALF_LIFE_S: the half-life of the usage fair share orders users
+    by (default one day: yesterday's worker-hour counts half)."""
     rendezvous_timeout_s: float = Field(default=60.0, gt=0)
     """TORCHYARD_RENDEZVOUS_TIMEOUT_S: how long a rank waits for rank 0's endpoint."""
     collective_timeout_s: float = Field(default=600.0, gt=0)

@@ -33,6 +33,8 @@ from torchyard.job import write_file_atomic
 
 CHECKPOINT_DIR = "checkpoints"
 WEIGHTS_FILE = "model.safetensors"
+# The metadata layout of WEIGHTS_FILE that `torchyard.load_model` reads (trainer/loop.py).
+WEIGHTS_FORMAT = "torchyard-weights/1"
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 

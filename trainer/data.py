@@ -33,7 +33,14 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from torchyard.trainer.failures import UserCodeError
-from torchyard.trainer.spec import DATASET_FILES, DataSpec, dataset_file, missing_dataset_files
+from torchyard.trainer.spec import (
+    CIFAR10_BATCHES,
+    DATASET_FILES,
+    DataSpec,
+    dataset_file,
+    missing_dataset_files,
+    split_sizes,
+)
 from torchyard.trainer.usercode import call_user, load_factory
 
 # The validation split of sets without a test split is fixed (not drawn from the job's seed),
@@ -56,6 +63,15 @@ LOADERS = ("auto", "device", "dataloader")  # DataSpec.loader's values
 SYNTHETIC_NOISE = 60.0
 # ImageFolder sets are normalised with ImageNet's statistics (torchvision's convention).
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+# The data sets' own label names (torchvision's), index = label.
+FASHION_CLASSES = [
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+]  # fmt: skip
+CIFAR10_CLASSES = [
+    "airplane", "automobile", "bird", "cat", "deer",
+    "dog", "frog", "horse", "ship", "truck",
+]  # fmt: skip
 
 
 class DataError(Exception):
@@ -191,6 +207,19 @@ class DataSet:
     mean: list[float]
     std: list[float]
     streamed: bool = False  # item by item through a DataLoader: never on the device whole
+    classes: list[str] | None = None  # class names, index = label (None: the labels)
+
+    def class_names(self) -> list[str]:
+        return list(self.classes) if self.classes else [str(i) for i in range(self.num_classes)]
+
+    def input_normalization(self) -> tuple[list[float], list[float]]:
+        """(mean, std) that turn an input as the data set's files hold it (uint8 pixels,
+        digits' 0..16) into what the model was trained on. ImageFolder's transform
+        normalises inside the loader, so for it this is ImageNet's statistics in uint8
+        units (inputs: resized and center-cropped uint8 [C, H, W])."""
+        if self.name.startswith("imagefolder/"):
+            return [m * 255 for m in IMAGENET_MEAN], [s * 255 for s in IMAGENET_STD]
+        return list(self.mean), list(self.std)
 
 
 # ---------------------------------------------------------------------------- readers
@@ -290,7 +319,7 @@ def _to_source(x: np.ndarray, y: np.ndarray, classes: int, what: str) -> TensorS
 
 
 def _split(src: TensorSource, val_fraction: float) -> tuple[TensorSource, TensorSource | None]:
-    n_val = round(len(src) * val_fraction)
+    n_val = split_sizes(len(src), val_fraction)[1]
     if n_val == 0:
         return src, None
     perm = torch.randperm(len(src), generator=torch.Generator().manual_seed(SPLIT_SEED))
@@ -334,6 +363,7 @@ def load_imagefolder(spec: DataSpec, data_root: Path) -> DataSet:
         [0.0],
         [1.0],  # the transform normalises
         streamed=True,
+        classes=list(train.classes),
     )
 
 
@@ -358,7 +388,11 @@ def load_factory_data(spec: DataSpec, data_root: Path) -> DataSet:
     src = ItemSource(train, k, name, UserCodeError)
     x, _ = src.item(0)
     val_src = ItemSource(val, k, name, UserCodeError) if val is not None and len(val) else None
-    return DataSet(name, src, val_src, tuple(x.shape), k, [0.0], [1.0], streamed=True)
+    names = getattr(train, "classes", None)
+    classes = [str(c) for c in names] if isinstance(names, list) and len(names) == k else None
+    return DataSet(
+        name, src, val_src, tuple(x.shape), k, [0.0], [1.0], streamed=True, classes=classes
+    )
 
 
 def load_dataset(spec: DataSpec, data_root: Path, seed: int) -> DataSet:
@@ -384,22 +418,25 @@ def load_dataset(spec: DataSpec, data_root: Path, seed: int) -> DataSet:
         train = _to_source(xs[0][:, None], ys[0], 10, name)
         val = _to_source(xs[1][:, None], ys[1], 10, name)
         mean, std = _STATS[name]
-        return DataSet(name, train, val, tuple(train.images.shape[1:]), 10, mean, std)
+        names = FASHION_CLASSES if name == "fashion_mnist" else None
+        return DataSet(
+            name, train, val, tuple(train.images.shape[1:]), 10, mean, std, classes=names
+        )
     if name == "cifar10":
         files = _require_files(name, data_root)
-        parts = [read_cifar_batch(p) for p in files]
+        # The batches in CIFAR10_BATCHES' order (train 1..5, then test); not batches.meta.
+        parts = [read_cifar_batch(p) for p in files if p.name in CIFAR10_BATCHES]
         x = np.concatenate([p[0] for p in parts[:-1]])
         y = np.concatenate([p[1] for p in parts[:-1]])
         train = _to_source(x, y, 10, name)
         val = _to_source(parts[-1][0], parts[-1][1], 10, name)
         mean, std = _STATS[name]
-        return DataSet(name, train, val, (3, 32, 32), 10, mean, std)
+        return DataSet(name, train, val, (3, 32, 32), 10, mean, std, classes=CIFAR10_CLASSES)
     if name == "synthetic":
-        n = spec.samples
-        n_val = round(n * spec.val_fraction)
+        n_train, n_val = split_sizes(spec.samples, spec.val_fraction)
         shape, k = spec.sample_shape, spec.classes
-        train_s = SyntheticSource(shape, k, seed, 0, n - n_val)
-        val_s = SyntheticSource(shape, k, seed, n - n_val, n_val) if n_val else None
+        train_s = SyntheticSource(shape, k, seed, 0, n_train)
+        val_s = SyntheticSource(shape, k, seed, n_train, n_val) if n_val else None
         mean, std = _STATS[name]
         return DataSet(name, train_s, val_s, tuple(shape), k, mean, std)
     raise DataError(f"unknown data set {name!r}")

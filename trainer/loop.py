@@ -18,6 +18,7 @@ Rules it keeps:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -36,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchyard.trainer import exitcodes
 from torchyard.trainer.checkpoint import (
     WEIGHTS_FILE,
+    WEIGHTS_FORMAT,
     Written,
     capture_rng,
     export_weights,
@@ -538,12 +540,7 @@ class Trainer:
     def export(self) -> None:
         """The final weights as safetensors, then `finished` (rank 0)."""
         pos, ds = self.pos, self.ds
-        meta = {
-            "model": self.spec.model.name if self.spec.model else "",
-            "num_classes": str(ds.num_classes),
-            "input_shape": ",".join(map(str, ds.sample_shape)),
-            "step": str(pos.step),
-        }
+        meta = weights_metadata(self.spec, ds, pos.step)
         w = export_weights(self.r.run_dir, self.net.state_dict(), meta)
         assert w.path == WEIGHTS_FILE
         self.announce_file(w, "weights")
@@ -555,6 +552,24 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def weights_metadata(spec: JobSpec, ds: DataSet, step: int) -> dict[str, str]:
+    """What `torchyard.load_model` needs to rebuild the model from model.safetensors alone:
+    the model and data specs, the input normalisation (in the units the data set's files
+    hold) and the class names. safetensors metadata is str -> str: JSON inside."""
+    mean, std = ds.input_normalization()
+    return {
+        "format": WEIGHTS_FORMAT,
+        "model": spec.model.name if spec.model else "",
+        "num_classes": str(ds.num_classes),
+        "input_shape": ",".join(map(str, ds.sample_shape)),
+        "step": str(step),
+        "model_spec": json.dumps(spec.model.model_dump(mode="json") if spec.model else None),
+        "data_spec": json.dumps(spec.data.model_dump(mode="json") if spec.data else None),
+        "normalize": json.dumps({"mean": mean, "std": std}),
+        "class_names": json.dumps(ds.class_names()),
+    }
 
 
 def set_determinism(deterministic: bool, device: torch.device) -> None:

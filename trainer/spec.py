@@ -10,16 +10,20 @@ field written as a dotted path (`optimizer.lr`, `model.hidden.0`).
 disk, so the API can refuse a submit (422) before anything is queued.
 `limit_problems(spec, max_params, max_data_bytes)` refuses a spec whose model or data set is
 too large for the server (estimated without torch: `model_parameters`, `data_bytes`).
+`size_warnings(spec, data_root)` names what runs but is likely not meant (a batch larger
+than the training set, whose size `train_samples` knows for the built-in sets).
 """
 
 from __future__ import annotations
 
+import difflib
+import gzip
 import itertools
 import json
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -311,7 +315,17 @@ class EntrypointSpec(_Strict):
 
 # What a script job may set besides its entrypoint: the rest configures torchyard's loop.
 SCRIPT_FIELDS = frozenset(
-    {"name", "code", "entrypoint", "world_size", "seed", "checkpoint", "max_restarts", "priority"}
+    {
+        "name",
+        "code",
+        "entrypoint",
+        "world_size",
+        "seed",
+        "checkpoint",
+        "max_restarts",
+        "priority",
+        "preemptible",
+    }
 )
 
 
@@ -367,7 +381,12 @@ class JobSpec(_Strict):
     max_restarts: int = Field(default=2, ge=0, le=100)
     """Lost attempts retried (resuming from the latest checkpoint) before the job fails."""
     priority: int = Field(default=0, ge=-1000, le=1000)
-    """Higher runs first; ties go to the oldest job."""
+    """Higher runs first; among equal priorities users take turns by fair share, then the
+    oldest job goes first. A queued job preempts preemptible jobs of lower priority."""
+    preemptible: bool = True
+    """Whether a higher-priority job may stop this one (it checkpoints on SIGTERM and
+    resumes, bit for bit, when workers are free). Only admins may give a job that is not
+    preemptible a priority above 0."""
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -467,15 +486,127 @@ def _friendly(err: dict[str, Any]) -> str:
             return "must not be empty"
         case "string_too_long":
             return f"must be at most {ctx.get('max_length')} characters"
-        case "string_pattern_mismatch":
+        case "string_pattern_mismatch" if tuple(err["loc"]) == ("name",):
             return "may hold only letters, digits, spaces, '.', '_' and '-'"
+        case "string_pattern_mismatch":
+            return f"must match {ctx.get('pattern')}"
         case "finite_number":
             return "must be a finite number"
     return str(err["msg"])
 
 
+# Errors about the kind of value given (a string where a number belongs, "fp8" for a
+# precision): their message shows the value received, since a YAML or JSON value's type
+# is not always what its author thinks (`1e-3` is a string in YAML 1.1, `"5"` in JSON).
+_SHOW_RECEIVED = frozenset(
+    {
+        "int_type", "int_parsing", "int_from_float", "float_type", "float_parsing",
+        "bool_type", "bool_parsing", "string_type", "list_type", "model_type",
+        "model_attributes_type", "dict_type", "literal_error",
+    }
+)  # fmt: skip
+_RECEIVED_MAX = 60  # characters of a received value shown
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list | tuple) else "an object"
+
+
+def received(value: Any) -> str:
+    """`got "1e-3" (a string)`: the value as JSON (cut short), and its JSON type."""
+    if value is None:
+        return "got null"
+    try:
+        shown = json.dumps(value, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    if len(shown) > _RECEIVED_MAX:
+        shown = shown[: _RECEIVED_MAX - 1] + "…"
+    return f"got {shown} ({_json_type(value)})"
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The spec section a field holds, also through `X | None`."""
+    for t in (annotation, *get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
+def _section(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The spec section (JobSpec, ModelSpec, …) at a path, or None."""
+    model: type[BaseModel] | None = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part) if model is not None else None
+        model = _submodel(field.annotation) if field is not None else None
+    return model
+
+
+def _sections(model: type[BaseModel], prefix: str = "") -> dict[str, list[str]]:
+    """Every section's path -> its field names, from `model` down."""
+    out = {prefix: list(model.model_fields)}
+    for name, f in model.model_fields.items():
+        if (sub := _submodel(f.annotation)) is not None:
+            out |= _sections(sub, f"{prefix}{name}.")
+    return out
+
+
+def did_you_mean(loc: tuple[Any, ...]) -> str:
+    """For an unknown field: the closest field of its section (`hiden` -> `hidden`), or the
+    section where a field of that name lives (`lr` at the top -> `optimizer.lr`); else ''."""
+    *parent, name = loc
+    section = _section(tuple(parent))
+    if section is None or not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, list(section.model_fields), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    prefix = "".join(f"{p}." for p in parent)
+    elsewhere = [
+        f"{path}{name}"
+        for path, names in _sections(JobSpec).items()
+        if name in names and path != prefix
+    ]
+    return f"did you mean '{elsewhere[0]}'?" if elsewhere else ""
+
+
+def _message(err: dict[str, Any]) -> str:
+    """The message of one pydantic error, with what helps fix it: the value received for
+    a value of the wrong kind, the field meant for an unknown one."""
+    message = _friendly(err)
+    if err["type"] in _SHOW_RECEIVED and "input" in err:
+        return f"{message}, {received(err['input'])}"
+    if err["type"] == "extra_forbidden" and (hint := did_you_mean(tuple(err["loc"]))):
+        return f"{message} ({hint})"
+    return message
+
+
 def _path(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc) or "spec"
+
+
+def _field_loc(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The error's location without pydantic's union-member tags (`init.checkpoint`, not
+    `init.checkpoint.constrained-int`): names below a field that holds no section."""
+    out: list[Any] = []
+    model: type[BaseModel] | None = JobSpec
+    leaf = False
+    for part in loc:
+        if leaf and isinstance(part, str):
+            continue
+        out.append(part)
+        field = model.model_fields.get(part) if model is not None else None
+        model = _submodel(field.annotation) if field is not None else None
+        leaf = field is not None and model is None
+    return tuple(out)
 
 
 def parse_spec(obj: Any) -> JobSpec:
@@ -495,11 +626,11 @@ def parse_spec(obj: Any) -> JobSpec:
                 if obj.get(f) is None
             ]
         for err in e.errors():
-            loc = tuple(err["loc"])
+            loc = _field_loc(tuple(err["loc"]))
             if err["type"] == "spec_problems":
                 problems += [(_path((*loc, f)), m) for f, m in err["ctx"]["problems"]]
             else:
-                problems.append((_path(loc), _friendly(err)))
+                problems.append((_path(loc), _message(err)))
         raise SpecError(list(dict.fromkeys(problems))) from None
 
 
@@ -531,20 +662,22 @@ _IDX = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+CIFAR10_BATCHES = (
+    "data_batch_1",
+    "data_batch_2",
+    "data_batch_3",
+    "data_batch_4",
+    "data_batch_5",
+    "test_batch",
+)
+# torchyard reads the batches only (its class names are CIFAR-10's own), but the folder must
+# be torchvision's whole layout: torchvision's CIFAR10 (in a user's own data factory, say)
+# refuses one without batches.meta, where it reads the class names.
+CIFAR10_META = "batches.meta"
 DATASET_FILES: dict[str, tuple[str, ...]] = {
     "mnist": tuple(f"MNIST/raw/{f}" for f in _IDX),
     "fashion_mnist": tuple(f"FashionMNIST/raw/{f}" for f in _IDX),
-    "cifar10": tuple(
-        f"cifar-10-batches-py/{f}"
-        for f in (
-            "data_batch_1",
-            "data_batch_2",
-            "data_batch_3",
-            "data_batch_4",
-            "data_batch_5",
-            "test_batch",
-        )
-    ),
+    "cifar10": tuple(f"cifar-10-batches-py/{f}" for f in (*CIFAR10_BATCHES, CIFAR10_META)),
 }
 # Sets whose idx files may be stored gzipped (`<file>.gz`) instead.
 _GZIP_OK = frozenset({"mnist", "fashion_mnist"})
@@ -587,6 +720,8 @@ DATASET_SHAPES: dict[str, tuple[int, ...]] = {
     "cifar10": (3, 32, 32),
 }
 DATASET_SAMPLES = {"digits": 1797, "mnist": 70_000, "fashion_mnist": 70_000, "cifar10": 60_000}
+# Samples in the training split of the sets that come with a test split (the official files).
+DATASET_TRAIN_SAMPLES = {"mnist": 60_000, "fashion_mnist": 60_000, "cifar10": 50_000}
 DATASET_CLASSES = {"digits": 10, "mnist": 10, "fashion_mnist": 10, "cifar10": 10}
 # Labels are int64 on the device beside the images.
 LABEL_BYTES = 8
@@ -608,6 +743,61 @@ def data_classes(data: DataSpec) -> int | None:
     if data.kind != "builtin":
         return None
     return data.classes if data.name == "synthetic" else DATASET_CLASSES[data.name]
+
+
+# Sets without a test split: validation is held out of the training set (`val_fraction`).
+_SPLIT_SETS = frozenset({"digits", "synthetic"})
+
+
+def split_sizes(n: int, val_fraction: float) -> tuple[int, int]:
+    """(train, validation) samples of a set of n without a test split: the one rule the
+    trainer's split and the submit's warnings share."""
+    n_val = round(n * val_fraction)
+    return n - n_val, n_val
+
+
+def _idx_count(path: Path) -> int | None:
+    """The first dimension in an idx file's header (plain or gzipped): its sample count."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
+            head = f.read(8)
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return None
+    return int.from_bytes(head[4:8], "big") if len(head) == 8 and head[3] >= 1 else None
+
+
+def train_samples(data: DataSpec, data_root: Path | None = None) -> int | None:
+    """Samples in the training split of a built-in data set: from the spec alone (`digits`,
+    `synthetic`), from the idx header of MNIST-format files in `data_root`, else the official
+    count; None for sets known only once read (`imagefolder/<dir>`, a factory)."""
+    if data.kind != "builtin":
+        return None
+    if data.name in _SPLIT_SETS:
+        total = data.samples if data.name == "synthetic" else DATASET_SAMPLES["digits"]
+        return split_sizes(total, data.val_fraction)[0]
+    if data_root is not None and data.name in _GZIP_OK:
+        path = dataset_file(data.name, data_root, DATASET_FILES[data.name][0])
+        if path is not None and (n := _idx_count(path)) is not None:
+            return n
+    return DATASET_TRAIN_SAMPLES[data.name]
+
+
+def size_warnings(spec: JobSpec, data_root: Path | None = None) -> list[tuple[str, str]]:
+    """What a valid spec asks that runs but is likely not what was meant, as (field,
+    message) pairs: a global batch larger than the training set."""
+    if spec.data is None:  # a script job reads its own data
+        return []
+    n = train_samples(spec.data, data_root)
+    if n is None or spec.batch_size <= n:
+        return []
+    split = f", val_fraction {spec.data.val_fraction}" if spec.data.name in _SPLIT_SETS else ""
+    return [
+        (
+            "batch_size",
+            f"{spec.batch_size} is more than the training set's {n} samples "
+            f"('{spec.data.name}'{split}): each epoch is one step over the whole set",
+        )
+    ]
 
 
 def _linear(n_in: int, n_out: int) -> int:

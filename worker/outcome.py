@@ -4,6 +4,7 @@ processes). What an outcome does to the job is `store.lifecycle.finish_attempt`'
 Rules, first match wins:
 - cancel requested -> cancelled (succeeded still wins if the trainer finished first);
 - rank 0's `finished` (or exit 0) -> succeeded, even if the worker was stopping by then;
+- preempted for a higher-priority job (the supervisor stopped it) -> handed back;
 - the worker stopping, or stopping its trainer after losing the store -> handed back;
 - the job's storage full (exit 5, or an `error` of kind storage_full) -> handed back;
 - an `error` event of kind peer_failed (another rank died first) -> lost, retried; the
@@ -42,6 +43,7 @@ DETERMINISTIC_ERRORS = frozenset(
 
 # Why the worker itself stopped its trainer (None: it exited on its own).
 STOP_CANCEL, STOP_WORKER, STOP_STORE_LOST = "cancel", "stopping", "store_lost"
+STOP_PREEMPT = "preempted"
 
 
 class Decision(NamedTuple):
@@ -65,6 +67,7 @@ class Ending:
     stopped: bool = False
     last_step: int | None = None
     oom_killed: bool = False
+    preempted_by: str | None = None
 
 
 def describe_exit(code: int) -> str:
@@ -89,6 +92,9 @@ def decide(e: Ending) -> Decision | None:
     # the worker began to stop after it.
     if e.rc == exitcodes.OK or (e.finished and e.error is None):
         return Decision(A_SUCCEEDED, "finished", None, False) if e.rank == 0 else None
+    if e.stop_why == STOP_PREEMPT:
+        # Handed back, not failed: it resumes from its checkpoint when workers are free.
+        return Decision(A_HANDED_BACK, f"preempted by {e.preempted_by}{step}", None, False)
     if e.stop_why == STOP_WORKER:
         why = f"worker {e.worker_id} stopping; trainer {describe_exit(e.rc)}{step}"
         return Decision(A_HANDED_BACK, why, None, False)

@@ -19,8 +19,9 @@ from torchyard.broker.app import (
     make_celery,
     make_consumer,
 )
-from torchyard.scheduler.cycle import Dispatch, resend_due, schedule
+from torchyard.scheduler.cycle import Dispatch, PoolPolicy, resend_due, schedule
 from torchyard.scheduler.policy import RESERVE_AFTER_S
+from torchyard.scheduler.sweeps import SweepController
 from torchyard.store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
 from torchyard.store.db import session_scope
 from torchyard.store.models import utcnow
@@ -58,6 +59,7 @@ class Scheduler:
         self._last_sent: dict[int, datetime] = {}
         # monotonic time since which every store call of the tick succeeded (None: failing)
         self._store_ok_since: float | None = None
+        self.sweeps = SweepController(settings)
 
     def _send(self, assignment_id: int, queue: str) -> bool:
         try:
@@ -76,6 +78,9 @@ class Scheduler:
                     s,
                     heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
                     reserve_after_s=self.reserve_after_s,
+                    pool=PoolPolicy(
+                        self.settings.preempt_after_s, self.settings.fairshare_half_life_s
+                    ),
                 )
             # After the commit: a worker must find its assignment when the message arrives.
             for d in out:
@@ -89,6 +94,12 @@ class Scheduler:
                     why,
                 )
             return out
+
+    def sweep_pass(self) -> int:
+        """The sweep controller's pass (scheduler/sweeps.py), before the scheduling pass of
+        the same tick, which then places the trials it queued. Its own errors stay in it."""
+        with self._lock:
+            return self.sweeps.run_pass()
 
     def reaper_ready(self) -> bool:
         """Only after the store has answered this scheduler for a full heartbeat timeout:
@@ -145,7 +156,7 @@ class Scheduler:
 
     def tick(self) -> None:
         ok = True
-        for step in (self.reap, self.reconcile, self.schedule_pass):
+        for step in (self.reap, self.reconcile, self.sweep_pass, self.schedule_pass):
             try:
                 step()
             except Exception as e:  # the next tick retries; never kill the loop

@@ -39,13 +39,14 @@ from torchyard.store.attempts import (
     A_HANDED_BACK,
     A_LOST,
     ATTEMPT_ACTIVE,
+    AttemptStatus,
     Claimed,
     attempt_hosts,
+    attempt_status,
     claim_rank,
     end_assignment,
     finish_attempt,
     ingest_start,
-    job_and_attempt_state,
     latest_resume_checkpoint,
     mark_launched,
     read_endpoint,
@@ -62,6 +63,7 @@ from torchyard.worker.identity import Device, is_loopback
 from torchyard.worker.inputs import InputError, code_dir, init_file, init_source
 from torchyard.worker.outcome import (
     STOP_CANCEL,
+    STOP_PREEMPT,
     STOP_STORE_LOST,
     STOP_WORKER,
     Decision,
@@ -175,6 +177,7 @@ class Supervision:
         self.recorder = EventRecorder(c.job_id, c.attempt_id, c.attempt_number)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stop_why: str | None = None
+        self.preempted_by: str | None = None  # the job this attempt was stopped for
         self.fenced = False  # the attempt was ended elsewhere: write nothing more
         self.resume_rel: str | None = None
         self.oom_before: int | None = None
@@ -351,8 +354,8 @@ class Supervision:
         if self.proc is not None and self.proc.poll() is None:
             self._stop("attempt ended elsewhere", signal.SIGKILL, None)
 
-    def _poll_store(self) -> tuple[str | None, str | None]:
-        return self._tx(lambda s: job_and_attempt_state(s, self.c.attempt_id))
+    def _poll_store(self) -> AttemptStatus:
+        return self._tx(lambda s: attempt_status(s, self.c.attempt_id))
 
     def _stop(self, why: str, sig: int, grace_s: float | None) -> float | None:
         assert self.proc is not None
@@ -372,15 +375,21 @@ class Supervision:
     def _check_store(self) -> float | None:
         """Poll the job and attempt state; act on a cancel or an attempt ended elsewhere."""
         try:
-            job_state, att_state = self._poll_store()
+            st = self._poll_store()
         except Exception as e:
             log.warning("store poll failed (%s)", e)
             return None
-        if att_state not in ATTEMPT_ACTIVE:
+        grace = self.ctx.settings.cancel_grace_s
+        if st.attempt not in ATTEMPT_ACTIVE:
             self._fence_hit()
-        elif job_state == CANCELLING:
+        elif st.job == CANCELLING:
             self.stop_why = STOP_CANCEL
-            return self._stop("cancel requested", signal.SIGTERM, self.ctx.settings.cancel_grace_s)
+            return self._stop("cancel requested", signal.SIGTERM, grace)
+        elif st.preempted_by is not None:
+            # Like a cancel, but the job goes back to the queue and resumes from the
+            # checkpoint the trainer writes on SIGTERM.
+            self.stop_why, self.preempted_by = STOP_PREEMPT, st.preempted_by
+            return self._stop(f"preempted by job {st.preempted_by}", signal.SIGTERM, grace)
         return None
 
     def supervise(self) -> int:
@@ -440,7 +449,7 @@ class Supervision:
         o = self.recorder.outcome
         if self.fenced:
             return None
-        job_state, att_state = retry_until("reading the job state", self._poll_store)
+        job_state, att_state, _ = retry_until("reading the job state", self._poll_store)
         if att_state not in ATTEMPT_ACTIVE:
             return None
         if self.ctx.store_lost_stop.is_set() and self.stop_why is None:
@@ -465,6 +474,7 @@ class Supervision:
             oom_killed=self.oom_before is not None
             and after is not None
             and after > self.oom_before,
+            preempted_by=self.preempted_by,
         )
         decision = decide(ending)
         if decision is not None and self.stop_why is None and peer_decides_first(ending, decision):

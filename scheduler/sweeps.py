@@ -1,0 +1,358 @@
+"""The sweep controller: one pass over the sweeps that have work, run by the scheduler process
+every tick before its scheduling pass (worker/scheduler.py: `Scheduler.sweep_pass`), so that
+the trials it queues are placed in the same tick.
+
+Each sweep is an Optuna study named by the sweep's id (storage: store/sweeps.py
+`optuna_storage`); each trial is an ordinary job of the sweep's owner, so fair share,
+quotas and preemption treat it like any other. Per sweep, under its row lock:
+
+1. observe (one transaction): settle what a crash left (an Optuna trial still RUNNING with
+   no trial row, from a controller that died between asking and storing, is told FAIL; one
+   whose row has an outcome is told that outcome again); report each running trial's new
+   points of the objective (at the metric's global step) and ask the pruner after each; a
+   pruned trial's job is cancelled through the jobs' own cancel (reason `pruned`: the
+   worker stops the trainer, which checkpoints first); a trial whose job ended gets its
+   outcome: succeeded -> complete with the last value reported, failed or cancelled (by
+   anyone but the pruner) -> failed. Optuna is told the outcomes after the commit.
+2. launch (a second transaction): while fewer than `parallel` trial jobs are live, fewer than
+   `max_trials` trials were asked for, and the owner's max_queued quota leaves room: ask
+   Optuna, set the values into a copy of the base spec, and store the job and its trial row
+   together. Values that make an invalid spec fail that trial at once (no job). Once every
+   trial has an outcome the sweep ends: succeeded, or failed when none completed.
+
+A crash anywhere leaves nothing behind: a trial row is written with its job in one
+transaction, the Optuna trial it names was asked for before, and every pass first settles
+Optuna trials RUNNING without an undecided row. Two schedulers take turns on a sweep (its
+row lock), and telling an ended Optuna trial again is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna import Study
+from optuna.pruners import BasePruner
+from optuna.samplers import BaseSampler, GridSampler
+from optuna.storages import RDBStorage
+from optuna.trial import FrozenTrial, Trial, TrialState
+from pydantic import TypeAdapter
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from torchyard.scheduler import space as sp
+from torchyard.store.db import session_scope
+from torchyard.store.jobs import create_job, request_cancel
+from torchyard.store.models import Job, Sweep, SweepTrial
+from torchyard.store.quotas import over_max_queued
+from torchyard.store.settings import Settings
+from torchyard.store.states import (
+    CANCELLED,
+    FAILED,
+    RUNNING,
+    SUCCEEDED,
+    TERMINAL,
+    IllegalTransition,
+)
+from torchyard.store.sweeps import (
+    COMPLETE,
+    FAIL,
+    PRUNED,
+    active_sweep_ids,
+    add_trial,
+    end_trial,
+    finish_sweep,
+    lock_sweep,
+    new_points,
+    optuna_storage,
+    trials_with_jobs,
+)
+from torchyard.trainer import spec as job_spec
+
+log = logging.getLogger(__name__)
+
+SPACE = TypeAdapter(sp.Space)
+
+
+@dataclass(frozen=True)
+class Tell:
+    """An outcome to tell Optuna once the pass that decided it has committed."""
+
+    number: int
+    outcome: str
+    value: float | None = None
+
+
+def seed_for(base: int, salt: int) -> int:
+    """A 32-bit seed from the sweep's seed and `salt` (the trial's number): every ask gets
+    its own stream, the same in whichever process asks, before or after a restart."""
+    return int(np.random.SeedSequence([base, salt]).generate_state(1)[0])
+
+
+def make_sampler(sweep: Sweep, space: sp.Space, number: int) -> BaseSampler:
+    """The sampler that asks for trial `number`. A grid's order is shuffled by the sweep's
+    seed alone, so that every ask walks the same order."""
+    if sweep.sampler == "grid":
+        return _Grid(sp.grid(space), seed=seed_for(sweep.seed, 0))
+    if sweep.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed_for(sweep.seed, number))
+    return optuna.samplers.TPESampler(seed=seed_for(sweep.seed, number))
+
+
+def make_pruner(name: str) -> BasePruner:
+    """`asha`: Optuna's SuccessiveHalvingPruner with rungs at 3 %, 9 %, 27 % and 81 % of the
+    longest complete trial's steps, the best third going on at each (reduction factor 3
+    from 3 x the 'auto' min_resource of 1 %). Optuna's default (rungs from 1 %, a quarter
+    going on) decides on a trial evaluated once an epoch at its first evaluation, where
+    the final ranking shows least. `median`: Optuna's MedianPruner."""
+    if name == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(reduction_factor=3, min_early_stopping_rate=1)
+    if name == "median":
+        return optuna.pruners.MedianPruner()
+    return optuna.pruners.NopPruner()
+
+
+class _Grid(GridSampler):
+    """GridSampler that does not stop the study after the last grid point: Study.stop works
+    only inside optimize(); the controller stops at the grid's size itself."""
+
+    def after_trial(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class SweepController:
+    """Runs passes for one scheduler process; its Optuna storage (one small engine) is
+    opened at the first sweep it sees."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.db_url = settings.db_url
+        self._storage: RDBStorage | None = None
+        self._studies: dict[str, Study] = {}
+
+    def run_pass(self) -> int:
+        """One pass over every sweep with work; returns how many trial jobs it queued. A
+        sweep whose pass fails is logged and tried again next tick; the others go on."""
+        with session_scope(self.db_url) as s:
+            ids = active_sweep_ids(s)
+        started = 0
+        for sweep_id in ids:
+            try:
+                started += self.step(sweep_id)
+            except Exception as e:
+                trace = not isinstance(e, DBAPIError)  # an outage: one line a tick
+                log.warning("sweep %s: pass failed, retried next tick: %s", sweep_id, e,
+                            exc_info=trace)  # fmt: skip
+                self._studies.pop(sweep_id, None)
+        for gone in set(self._studies) - set(ids):
+            del self._studies[gone]
+        return started
+
+    def step(self, sweep_id: str) -> int:
+        """Observe, tell, launch, tell: one sweep's pass."""
+        self._tell(sweep_id, self._observe(sweep_id))
+        started, tells = self._launch(sweep_id)
+        self._tell(sweep_id, tells)
+        return started
+
+    # --- Optuna ---------------------------------------------------------------------------------
+
+    def storage(self) -> RDBStorage:
+        if self._storage is None:
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            self._storage = optuna_storage(self.db_url)
+        return self._storage
+
+    def study(self, sweep: Sweep) -> Study:
+        """The sweep's study (made at its first pass), kept for this process."""
+        study = self._studies.get(sweep.id)
+        if study is None:
+            study = optuna.create_study(
+                storage=self.storage(),
+                study_name=sweep.id,
+                direction="maximize" if sweep.mode == "max" else "minimize",
+                pruner=make_pruner(sweep.pruner),
+                load_if_exists=True,
+            )
+            self._studies[sweep.id] = study
+        return study
+
+    def _tell(self, sweep_id: str, tells: list[Tell]) -> None:
+        """Tell Optuna each outcome; one that fails is told by a later pass (`settle`)."""
+        states = {COMPLETE: TrialState.COMPLETE, PRUNED: TrialState.PRUNED, FAIL: TrialState.FAIL}
+        study = self._studies.get(sweep_id)
+        if study is None:  # its pass failed: the next pass settles them
+            return
+        for t in tells:
+            value = t.value if t.outcome == COMPLETE else None
+            try:
+                study.tell(t.number, value, state=states[t.outcome], skip_if_finished=True)
+            except Exception as e:
+                log.warning("sweep %s: telling trial %d failed, retried next pass: %s",
+                            sweep_id, t.number, e)  # fmt: skip
+
+    # --- 1. observe -----------------------------------------------------------------------------
+
+    def _observe(self, sweep_id: str) -> list[Tell]:
+        with session_scope(self.db_url) as s:
+            sweep = lock_sweep(s, sweep_id)
+            if sweep is None:
+                return []
+            study = self.study(sweep)
+            rows = trials_with_jobs(s, sweep.id)
+            running = {
+                t.number: t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            }
+            tells = settle(sweep.id, [t for t, _ in rows], running)
+            for trial, job in rows:
+                if trial.outcome is None and job is not None:
+                    tell = self._follow(s, sweep, study, trial, job, running.get(trial.number))
+                    tells += [tell] if tell is not None else []
+            return tells
+
+    def _follow(
+        self,
+        session: Session,
+        sweep: Sweep,
+        study: Study,
+        trial: SweepTrial,
+        job: Job,
+        frozen: FrozenTrial | None,
+    ) -> Tell | None:
+        """One running trial: report its new points, prune it, or record its end."""
+        if frozen is None:  # Optuna ended it without us (by hand?): stop the job too
+            end_trial(trial, FAIL, error="its Optuna trial was ended outside torchyard")
+            _cancel(session, job, "sweep trial ended")
+            return None
+        live = Trial(study, frozen._trial_id)
+        if report(session, sweep.metric, trial, job, live) and _cancel(session, job, "pruned"):
+            end_trial(trial, PRUNED)
+            return Tell(trial.number, PRUNED)
+        if job.state in TERMINAL:
+            return trial_end(trial, job, sweep.metric)
+        return None
+
+    # --- 2. launch ------------------------------------------------------------------------------
+
+    def _launch(self, sweep_id: str) -> tuple[int, list[Tell]]:
+        with session_scope(self.db_url) as s:
+            sweep = lock_sweep(s, sweep_id)
+            if sweep is None or sweep.state != RUNNING:
+                return 0, []
+            rows = trials_with_jobs(s, sweep.id)
+            live = sum(1 for _, j in rows if j is not None and j.state not in TERMINAL)
+            asked, started, tells = len(rows), 0, []
+            while live < sweep.parallel and asked < sweep.max_trials:
+                if (why := over_max_queued(s, sweep.owner_id)) is not None:
+                    log.info("sweep %s: next trial waits: %s", sweep.id, why)
+                    break
+                trial = self._ask(s, sweep, asked)
+                asked += 1
+                if trial.job_id is None:
+                    tells.append(Tell(trial.number, FAIL))
+                else:
+                    live, started = live + 1, started + 1
+            maybe_finish(sweep, trials_with_jobs(s, sweep.id))
+            return started, tells
+
+    def _ask(self, session: Session, sweep: Sweep, asked: int) -> SweepTrial:
+        """Ask Optuna for a trial and store it: its job and its row, in this transaction."""
+        space = SPACE.validate_python(sweep.space)
+        study = self.study(sweep)
+        study.sampler = make_sampler(sweep, space, asked)
+        asked_trial = study.ask(sp.distributions(space))
+        values = sp.decode(space, asked_trial.params)
+        spec, problem = self.trial_spec(sweep, values)
+        if spec is None:
+            log.info("sweep %s: trial %d failed: %s", sweep.id, asked_trial.number, problem)
+            return add_trial(session, sweep, asked_trial.number, values, None, error=problem)
+        name = f"{sweep.name}-{asked_trial.number}"[:200]
+        job, _ = create_job(session, sweep.owner_id, spec, name=name, sweep_id=sweep.id)
+        log.info("sweep %s: trial %d is job %s %s", sweep.id, asked_trial.number, job.id, values)
+        return add_trial(session, sweep, asked_trial.number, values, job.id)
+
+    def trial_spec(
+        self, sweep: Sweep, values: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """The trial's normalised spec, or None and why it is invalid (checked as at
+        submit: the spec itself and the server's size limits)."""
+        try:
+            spec = job_spec.parse_spec(sp.with_params(sweep.spec, values))
+        except (job_spec.SpecError, sp.PathError) as e:
+            return None, f"invalid spec: {e}"
+        st = self.settings
+        problems = job_spec.limit_problems(spec, st.max_model_params, st.max_data_bytes)
+        if problems:
+            return None, "invalid spec: " + "; ".join(f"{f}: {m}" for f, m in problems)
+        return job_spec.spec_to_dict(spec), None
+
+
+def report(session: Session, metric: str, trial: SweepTrial, job: Job, live: Trial) -> bool:
+    """Report the objective's new points to Optuna, asking the pruner after each; True when
+    it says stop (never for a job that has ended: its last value completes the trial)."""
+    for step, value in new_points(session, job.id, metric, trial.last_step):
+        live.report(value, step)
+        trial.last_step, trial.value = step, value
+        if job.state not in TERMINAL and live.should_prune():
+            return True
+    return False
+
+
+def settle(sweep_id: str, rows: list[SweepTrial], running: dict[int, Any]) -> list[Tell]:
+    """What a crash may have left: Optuna trials RUNNING that have no trial row (asked for,
+    never stored: FAIL) or whose row already has an outcome (its tell was lost)."""
+    by_number = {t.number: t for t in rows}
+    tells = []
+    for number in sorted(running):
+        row = by_number.get(number)
+        if row is None:
+            log.warning("sweep %s: Optuna trial %d has no job (the controller stopped "
+                        "between asking and storing it): failed", sweep_id, number)  # fmt: skip
+            tells.append(Tell(number, FAIL))
+        elif row.outcome is not None:
+            tells.append(Tell(number, row.outcome, row.value))
+    return tells
+
+
+def trial_end(trial: SweepTrial, job: Job, metric: str) -> Tell:
+    """The outcome of a trial whose job ended: complete with the last value reported when
+    it succeeded, else failed (a cancel by a user says nothing about its values)."""
+    if job.state == SUCCEEDED:
+        if trial.value is not None and math.isfinite(trial.value):
+            end_trial(trial, COMPLETE, value=trial.value)
+            return Tell(trial.number, COMPLETE, trial.value)
+        end_trial(trial, FAIL, error=f"the job succeeded without a finite {metric}")
+        return Tell(trial.number, FAIL)
+    why = job.error or ("cancelled" if job.state == CANCELLED else job.state)
+    end_trial(trial, FAIL, error=f"job {job.state}: {why}")
+    return Tell(trial.number, FAIL)
+
+
+def maybe_finish(sweep: Sweep, rows: list[tuple[SweepTrial, Job | None]]) -> None:
+    """End a running sweep once all its trials were asked for, have an outcome and their
+    jobs have ended (a pruned one's stops after its outcome)."""
+    trials = [t for t, _ in rows]
+    if len(trials) < sweep.max_trials or any(t.outcome is None for t in trials):
+        return
+    if any(j is not None and j.state not in TERMINAL for _, j in rows):
+        return
+    if any(t.outcome == COMPLETE for t in trials):
+        finish_sweep(sweep, SUCCEEDED)
+    else:
+        finish_sweep(sweep, FAILED, "no trial completed (see each trial's error)")
+
+
+def _cancel(session: Session, job: Job, reason: str) -> bool:
+    """Cancel a trial's job if it has not ended; False when it ended first (its end then
+    decides the trial)."""
+    if job.state in TERMINAL:
+        return False
+    try:
+        request_cancel(session, job, reason=reason)
+    except IllegalTransition:
+        return False
+    return True

@@ -1,0 +1,207 @@
+"""What the dashboard's jobs table reads: a page of jobs (filtered by state and text, with
+their latest train/loss and val/accuracy and the workers running them), and the changes
+its live stream announces (which jobs changed since the last look).
+
+Changes are found without scanning every job: new job events (state changes, submits) by
+their id, and the versions of the jobs that are starting, running or cancelling (the only
+ones whose progress and curves move), compared with the previous look.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from torchyard.store.feed import FeedCursor
+from torchyard.store.jobs import Viewer
+from torchyard.store.metrics import metric_names
+from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, JobEvent, Metric, User
+from torchyard.store.states import CANCELLING, RUNNING, STARTING
+
+TABLE_METRICS = ("train/loss", "val/accuracy")
+ACTIVE = (STARTING, RUNNING, CANCELLING)
+# Event ids missing from what was read (on PostgreSQL a transaction can commit after one
+# that took a later id) are looked for again for this long.
+GAP_WAIT_S = 10.0
+MAX_GAPS = 1000
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _filters(viewer: Viewer, text: str | None) -> list[Any]:
+    where: list[Any] = [] if viewer.is_admin else [Job.owner_id == viewer.user_id]
+    if text:
+        pattern = f"%{_escape_like(text)}%"
+        match = [
+            Job.name.ilike(pattern, escape="\\"),
+            Job.id.startswith(text.lower(), autoescape=True),
+        ]
+        if viewer.is_admin:
+            match.append(User.name.ilike(pattern, escape="\\"))
+        where.append(or_(*match))
+    return where
+
+
+def state_counts(session: Session, viewer: Viewer, text: str | None) -> dict[str, int]:
+    """Jobs by state among those the text filter keeps (the table's state chips)."""
+    rows = session.execute(
+        select(Job.state, func.count())
+        .join(User, User.id == Job.owner_id)
+        .where(*_filters(viewer, text))
+        .group_by(Job.state)
+    )
+    return {state: int(n) for state, n in rows}
+
+
+def table_page(
+    session: Session,
+    viewer: Viewer,
+    *,
+    states: Sequence[str] = (),
+    text: str | None = None,
+    offset: int = 0,
+    limit: int = 100,
+) -> list[dict[str, Any]]:
+    """A page of the table, newest first: each job's columns, `owner`, `latest` (the
+    newest value of each TABLE_METRICS name, when recorded) and `workers` (the ids of the
+    workers of its running attempt, by rank)."""
+    where = _filters(viewer, text)
+    if states:
+        where.append(Job.state.in_(list(states)))
+    cols = (Job.id, Job.name, Job.state, Job.progress, Job.world_size, Job.attempt,
+            Job.created_at, Job.started_at, Job.finished_at, Job.pending_reason,
+            Job.sweep_id, User.name.label("owner"))  # fmt: skip
+    rows = session.execute(
+        select(*cols)
+        .join(User, User.id == Job.owner_id)
+        .where(*where)
+        .order_by(Job.created_at.desc(), Job.id.desc())
+        .offset(offset)
+        .limit(limit)
+    ).mappings()
+    page = [dict(r) for r in rows]
+    ids = [r["id"] for r in page]
+    latest, workers = _latest_values(session, ids), _running_workers(session, ids)
+    for r in page:
+        r["latest"] = latest.get(r["id"], {})
+        r["workers"] = workers.get(r["id"], [])
+    return page
+
+
+def _latest_values(session: Session, ids: list[str]) -> dict[str, dict[str, float]]:
+    """The newest value of each TABLE_METRICS name: one index probe each."""
+    if not ids:
+        return {}
+    probes = [
+        select(Metric.value)
+        .where(Metric.job_id == Job.id, Metric.name == name)
+        .order_by(Metric.step.desc())
+        .limit(1)
+        .scalar_subquery()
+        for name in TABLE_METRICS
+    ]
+    out: dict[str, dict[str, float]] = {}
+    for job_id, *values in session.execute(select(Job.id, *probes).where(Job.id.in_(ids))):
+        out[job_id] = {n: v for n, v in zip(TABLE_METRICS, values, strict=True) if v is not None}
+    return out
+
+
+def _running_workers(session: Session, ids: list[str]) -> dict[str, list[str]]:
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(Assignment.job_id, Assignment.worker_id)
+        .join(Attempt, Attempt.id == Assignment.attempt_id)
+        .where(Assignment.job_id.in_(ids), Attempt.ended_at.is_(None))
+        .order_by(Assignment.job_id, Assignment.rank)
+    )
+    out: dict[str, list[str]] = {}
+    for job_id, worker_id in rows:
+        out.setdefault(job_id, []).append(worker_id)
+    return out
+
+
+# --- changes -------------------------------------------------------------------------------
+
+
+@dataclass
+class ChangeState:
+    """Where a changes poller is: the last job event read, the event ids still missing
+    (id -> when first missed), and the active jobs' (owner, version)."""
+
+    cursor: int = 0
+    gaps: dict[int, float] = field(default_factory=dict)
+    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _active_versions(session: Session) -> dict[str, tuple[int, int]]:
+    rows = session.execute(select(Job.id, Job.owner_id, Job.version).where(Job.state.in_(ACTIVE)))
+    return {job_id: (int(owner), int(version)) for job_id, owner, version in rows}
+
+
+def changes_start(session: Session) -> ChangeState:
+    """The state of a poller that starts now (what happened before is not a change)."""
+    cursor = session.scalar(select(func.max(JobEvent.id))) or 0
+    return ChangeState(cursor=int(cursor), versions=_active_versions(session))
+
+
+def _new_events(session: Session, state: ChangeState, now: float) -> dict[str, int]:
+    gaps = list(state.gaps)
+    rows = session.execute(
+        select(JobEvent.id, JobEvent.job_id, Job.owner_id)
+        .join(Job, Job.id == JobEvent.job_id)
+        .where(or_(JobEvent.id > state.cursor, JobEvent.id.in_(gaps)))
+        .order_by(JobEvent.id)
+        .limit(MAX_GAPS)
+    ).all()
+    changed: dict[str, int] = {}
+    for event_id, job_id, owner in rows:
+        changed[job_id] = int(owner)
+        state.gaps.pop(event_id, None)
+        if event_id > state.cursor:
+            missed = range(state.cursor + 1, min(event_id, state.cursor + 1 + MAX_GAPS))
+            for gap in missed:
+                if len(state.gaps) < MAX_GAPS:
+                    state.gaps[gap] = now
+            state.cursor = event_id
+    state.gaps = {k: t for k, t in state.gaps.items() if now - t < GAP_WAIT_S}
+    return changed
+
+
+def changes_since(session: Session, state: ChangeState, now: float) -> dict[str, int]:
+    """The jobs (id -> owner id) that changed since `state`, which is moved on: those with
+    new job events, and the active jobs whose version moved (progress, metrics, attempts),
+    started or stopped being active."""
+    changed = _new_events(session, state, now)
+    versions = _active_versions(session)
+    for job_id, (owner, version) in versions.items():
+        if state.versions.get(job_id, (owner, -1))[1] != version:
+            changed[job_id] = owner
+    for job_id in state.versions.keys() - versions.keys():
+        changed[job_id] = state.versions[job_id][0]
+    state.versions = versions
+    return changed
+
+
+def feed_head(session: Session, job_id: str) -> FeedCursor:
+    """A job's event feed position now, for a follower that has just read the job and its
+    curves and wants only what comes next (not the whole history again). The metric part
+    is the newest id among each curve's last points: one index probe per name."""
+    event = session.scalar(select(func.max(JobEvent.id)).where(JobEvent.job_id == job_id))
+    ckpt = session.scalar(select(func.max(Checkpoint.id)).where(Checkpoint.job_id == job_id))
+    metric = 0
+    for name in metric_names(session, job_id):
+        last = session.scalar(
+            select(Metric.id)
+            .where(Metric.job_id == job_id, Metric.name == name)
+            .order_by(Metric.step.desc())
+            .limit(1)
+        )
+        metric = max(metric, int(last or 0))
+    return FeedCursor(int(event or 0), metric, int(ckpt or 0))
