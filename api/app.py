@@ -26,6 +26,11 @@ from torchyard.api.routers import (
     job_data,
     job_events,
     jobs,
+    queue,
+    sweeps,
+    ui,
+    ui_jobs,
+    users,
     workers,
 )
 from torchyard.store.db import make_engine
@@ -137,7 +142,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.prometheus = registry
 
     errors.install(app)
-    for module in (jobs, job_data, job_events, checkpoints, bundles, workers, health):
+    # The dashboard (ui: its page and logins, ui_jobs: its table) last: its page paths
+    # never shadow an API route.
+    routers = (jobs, job_data, job_events, checkpoints, bundles, workers, users, queue, health,
+               sweeps, ui_jobs, ui)  # fmt: skip
+    for module in routers:
         app.include_router(module.router)
     # Each add_middleware wraps the ones before it, so the last added runs first: requests
     # are counted (shed 503s and 413s included: an operator must see them), then the size

@@ -1,6 +1,7 @@
 """Submit-time checks of what a spec asks beyond torchyard's own loop: the permission to run
-one's own code, and the references a spec makes to things on the server (a code bundle and
-its entrypoint script, another job's weights for `init`).
+one's own code or to hold a priority nobody can preempt, and the references a spec makes to
+things on the server (a code bundle and its entrypoint script, another job's weights for
+`init`).
 
 A reference is checked against what the submitting user may see: a bundle they uploaded, a
 job of theirs (admins: any), so that ids of other users' things lead nowhere.
@@ -35,6 +36,19 @@ def check_code_permission(user: Principal, spec: JobSpec) -> None:
             "module:function factory), and this user may not run their own code; an admin "
             "grants it with `torchyard token create --user NAME --can-run-code`",
             code="forbidden",
+        )
+
+
+def check_priority_permission(user: Principal, spec: JobSpec) -> None:
+    """403 for a job that may not be preempted and asks for a priority above 0 from a
+    non-admin: it could take workers from everyone and never give them back."""
+    if not spec.preemptible and spec.priority > 0 and not user.is_admin:
+        raise ApiError(
+            403,
+            f"only admins may give a job with preemptible: false a priority above 0 "
+            f"(got priority {spec.priority}); make it preemptible or use priority <= 0",
+            code="forbidden",
+            details=[{"field": "priority", "message": "above 0 needs preemptible: true"}],
         )
 
 

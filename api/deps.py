@@ -3,10 +3,17 @@
 Tokens are looked up by their hash; a hit is cached in the process for a few seconds
 (TOKEN_CACHE_TTL_S), so the hot read routes cost no token query. A revoked token may
 therefore keep working for up to that long in a running API process.
+
+The dashboard authenticates with a session cookie instead (store/uisessions.py), which
+acts as the token that made it; without an Authorization header the cookie is looked up
+the same way. A request that changes something (not GET/HEAD/OPTIONS) with the cookie must
+also carry the session's CSRF token in X-CSRF-Token: another site can make the browser send
+the cookie (SameSite=Strict already stops that in current browsers) but cannot know it.
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,9 +29,13 @@ from torchyard.api.errors import ApiError
 from torchyard.store.auth import hash_token, user_for_token
 from torchyard.store.jobs import Viewer
 from torchyard.store.settings import Settings
+from torchyard.store.uisessions import csrf_token, user_for_session
 
 TOKEN_CACHE_TTL_S = 5.0
 TOKEN_CACHE_MAX = 10_000
+SESSION_COOKIE = "ty_session"
+CSRF_HEADER = "X-CSRF-Token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,9 @@ class TokenCache:
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
         self._entries[token_hash] = (time.monotonic() + self.ttl_s, principal)
+
+    def drop(self, token_hash: str) -> None:
+        self._entries.pop(token_hash, None)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -98,9 +112,9 @@ def read_engine(request: Request) -> Engine:
     return engine
 
 
-def _lookup(factory: sessionmaker[Session], token: str) -> Principal | None:
+def _lookup(factory: sessionmaker[Session], token: str, cookie: bool = False) -> Principal | None:
     with factory() as session:
-        user = user_for_token(session, token)
+        user = user_for_session(session, token) if cookie else user_for_token(session, token)
         if user is None:
             return None
         return Principal(user.id, user.name, user.is_admin, user.can_run_code)
@@ -110,22 +124,45 @@ def _unauthorized(message: str) -> ApiError:
     return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
 
 
+async def _principal(request: Request, secret: str, cookie: bool) -> Principal | None:
+    key = ("session:" if cookie else "") + hash_token(secret)
+    cache: TokenCache = request.app.state.token_cache
+    principal = cache.get(key)
+    if principal is None:
+        factory = request.app.state.read_sessions
+        principal = await run_in_threadpool(_lookup, factory, secret, cookie)
+        if principal is not None:
+            cache.put(key, principal)
+    return principal
+
+
 async def current_user(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> Principal:
-    if credentials is None or not credentials.credentials:
-        raise _unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
-    token = credentials.credentials
-    key = hash_token(token)
-    cache: TokenCache = request.app.state.token_cache
-    principal = cache.get(key)
-    if principal is None:
-        principal = await run_in_threadpool(_lookup, request.app.state.read_sessions, token)
+    if credentials is not None and credentials.credentials:
+        principal = await _principal(request, credentials.credentials, cookie=False)
         if principal is None:
             raise _unauthorized("unknown or revoked token")
-        cache.put(key, principal)
+        return principal
+    session = request.cookies.get(SESSION_COOKIE)
+    if not session:
+        raise _unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    if request.method not in SAFE_METHODS:
+        sent = request.headers.get(CSRF_HEADER, "")
+        if not hmac.compare_digest(sent.encode(), csrf_token(session).encode()):
+            raise ApiError(403, f"missing or wrong {CSRF_HEADER} header", code="csrf")
+    principal = await _principal(request, session, cookie=True)
+    if principal is None:
+        raise _unauthorized("the dashboard session has ended: log in again")
     return principal
+
+
+async def admin_user(user: Annotated[Principal, Depends(current_user)]) -> Principal:
+    """The caller, who must be an admin (403 otherwise, before the body is even read)."""
+    if not user.is_admin:
+        raise ApiError(403, "only admins may do this", code="forbidden")
+    return user
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -134,3 +171,4 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 CurrentUser = Annotated[Principal, Depends(current_user)]
+AdminUser = Annotated[Principal, Depends(admin_user)]

@@ -32,6 +32,7 @@ CODES = {
     415: "unsupported_media_type",
     416: "range_not_satisfiable",
     422: "validation_error",
+    429: "too_many_requests",
     500: "internal_error",
     503: "unavailable",
 }
@@ -174,6 +175,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         415: "the body's Content-Type is not one this route takes",
         416: "range not satisfiable",
         422: "invalid request; details lists every problem as {field, message}",
+        429: "over the user's quota (max_queued): nothing was stored",
         503: "store or broker unreachable",
     }
     return {s: {"model": ErrorBody, "description": descriptions.get(s, CODES[s])} for s in statuses}

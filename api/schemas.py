@@ -83,6 +83,21 @@ class JobOut(JobSummary):
     attempts: list[AttemptOut]
 
 
+class SpecWarning(BaseModel):
+    field: str = Field(description="the spec field it is about, dotted (`world_size`)")
+    message: str = Field(description="what will happen, naming what the server knows")
+
+
+class SubmittedJob(JobOut):
+    """The job a submit stored, with what in its spec is allowed but likely not meant."""
+
+    warnings: list[SpecWarning] = Field(
+        default_factory=list,
+        description="the job is stored and queued all the same: a world_size above the "
+        "workers registered now, a batch_size above the training set's size",
+    )
+
+
 class JobList(BaseModel):
     items: list[JobSummary]
     next_cursor: str | None = Field(description="pass as ?cursor= for the next page; null: none")
@@ -170,3 +185,83 @@ class BundleOut(BaseModel):
     id: str = Field(description="sha256 of the uploaded archive: name it as `code.bundle`")
     bytes: int = Field(description="size of the uploaded (compressed) archive")
     files: int = Field(description="regular files in the bundle")
+
+
+# -- the pool: quotas and the queue ---------------------------------------------------------
+
+_LIMIT_MAX = 1_000_000  # far above any pool, far below the database's integer range
+
+
+class QuotaIn(BaseModel):
+    """The fields to change; absent: unchanged, null: no limit (a null share: back to 1)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_workers: int | None = Field(
+        default=None,
+        ge=0,
+        le=_LIMIT_MAX,
+        description="most workers the user's jobs may hold at once (0: none start)",
+    )
+    max_queued: int | None = Field(
+        default=None,
+        ge=0,
+        le=_LIMIT_MAX,
+        description="most queued jobs the user may have; a submit over it is 429 (0: none)",
+    )
+    share: float | None = Field(
+        default=None,
+        gt=0,
+        le=_LIMIT_MAX,
+        allow_inf_nan=False,
+        description="weight in fair share: usage is divided by it (default 1)",
+    )
+
+
+class QuotaOut(BaseModel):
+    user: str
+    max_workers: int | None = Field(description="null: no limit")
+    max_queued: int | None = Field(description="null: no limit")
+    share: float
+
+
+class QueueUsage(BaseModel):
+    worker_hours: float = Field(
+        description="the owner's recent usage: worker-hours decayed with the half-life"
+    )
+    share: float
+
+
+class QueueItem(BaseModel):
+    position: int = Field(description="1: the next to start, in the whole queue")
+    id: str
+    name: str
+    owner: str
+    priority: int
+    world_size: int
+    pending_reason: str | None
+    created_at: datetime
+    usage: QueueUsage
+
+
+class QueueCounts(BaseModel):
+    queued: int = Field(description="queued jobs of every user")
+    users: int = Field(description="users with queued jobs")
+    mine: int = Field(description="the caller's queued jobs")
+
+
+class UserUsage(QueueUsage):
+    max_workers: int | None
+    max_queued: int | None
+
+
+class QueueOut(BaseModel):
+    items: list[QueueItem] = Field(
+        description="in the order they would start; a non-admin sees only their own"
+    )
+    counts: QueueCounts
+    usage: dict[str, UserUsage] = Field(
+        description="per user: every user with queued jobs (admins) or the caller only"
+    )
+    unit: str = Field(description="what one worker is: GPU, CPU slot or worker (mixed pool)")
+    half_life_s: float

@@ -29,8 +29,9 @@ MAX_POINTS_LIMIT = 10_000
     description=(
         "`{series: {name: {steps, values}}}`, steps ascending. `name` repeats or is "
         "comma-separated (default: every metric); `after_step` returns only later points "
-        "(for polling); `max_points` downsamples each curve to at most that many buckets of "
-        "steps, each giving its last point plus the bucket's `min` and `max`, so spikes show. "
+        "(for polling); `min_step` and `max_step` keep only the points of that step range "
+        "(inclusive: a chart's zoom); `max_points` downsamples each curve to at most that many buckets of "
+        "steps (of that range), each giving its last point plus the bucket's `min` and `max`, so spikes show. "
         "Without `max_points` the raw points come in pages of at most "
         "TORCHYARD_METRICS_PAGE_POINTS per curve: follow `next_after_step` as `after_step`. "
         "Answers with an `ETag` (for these parameters); with `If-None-Match` naming it, "
@@ -48,6 +49,8 @@ def get_metrics(
     name: Annotated[list[str] | None, Query(description="metric name(s), e.g. train/loss")] = None,
     after_step: Annotated[int | None, Query(ge=-(2**62), le=2**62)] = None,
     max_points: Annotated[int | None, Query(ge=1, le=MAX_POINTS_LIMIT)] = None,
+    min_step: Annotated[int | None, Query(ge=-(2**62), le=2**62)] = None,
+    max_step: Annotated[int | None, Query(ge=-(2**62), le=2**62)] = None,
     if_none_match: Annotated[str | None, Header(max_length=1000)] = None,
 ) -> MetricsOut | Response:
     version = job_version(session, user.viewer, job_id)
@@ -57,22 +60,25 @@ def get_metrics(
     too_long = [n for n in names if len(n) > 100]
     if too_long:
         raise validation_error([("name", "metric names are at most 100 characters")])
+    if min_step is not None and max_step is not None and min_step > max_step:
+        raise validation_error([("max_step", "must be >= min_step")])
     wanted = list(dict.fromkeys(names)) or None
     # The body depends on the job's version and on every parameter that shapes it.
     page = settings.metrics_page_points
-    tag = etag(job_id, version, wanted, after_step, max_points, page)
+    bounds = {"min_step": min_step, "max_step": max_step}
+    tag = etag(job_id, version, wanted, after_step, max_points, page, min_step, max_step)
     validators = {"ETag": tag, "Cache-Control": "no-cache"}
     response.headers.update(validators)
     if etag_matches(if_none_match, tag):
         return Response(status_code=304, headers=validators)
     if max_points is not None:
         series = query_series(
-            session, job_id, names=wanted, after_step=after_step, max_points=max_points
+            session, job_id, names=wanted, after_step=after_step, max_points=max_points, **bounds
         )
         return MetricsOut(series={k: Series(**v) for k, v in series.items()})
     # Raw points come in pages: a million-point curve is never one response.
     series, next_after = query_page(
-        session, job_id, names=wanted, after_step=after_step, limit=page
+        session, job_id, names=wanted, after_step=after_step, limit=page, **bounds
     )
     return MetricsOut(
         series={k: Series(**v) for k, v in series.items()}, next_after_step=next_after

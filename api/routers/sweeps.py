@@ -1,0 +1,266 @@
+"""Create, list, show and cancel hyperparameter sweeps. A sweep's trials are ordinary jobs
+of its owner, queued by the scheduler's sweep controller (scheduler/sweeps.py).
+
+At create time the base spec and every bound and choice of the space are checked as a job
+submit checks a spec (trainer.spec, then the server's checks of api/routers/jobs.py and
+api/codechecks.py), each value set alone into the base spec: a problem names the
+parameter's field (`space.optimizer.lr.low`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, BackgroundTasks, Query, Request
+from pydantic import ValidationError
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from torchyard.api import codechecks
+from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
+from torchyard.api.errors import not_found, responses, validation_error
+from torchyard.api.routers.jobs import check_spec
+from torchyard.api.sweep_schemas import SweepIn, SweepList, SweepOut, input_problems
+from torchyard.broker import app as broker
+from torchyard.scheduler import space as sp
+from torchyard.store.jobs import BadCursor
+from torchyard.store.settings import Settings
+from torchyard.store.sweeps import (
+    SWEEP_STATES,
+    NewSweep,
+    cancel_sweep,
+    create_sweep,
+    get_sweep,
+    list_sweeps,
+    sweep_view,
+)
+from torchyard.trainer import spec as job_spec
+
+router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
+Problems = list[tuple[str, str]]
+# What torchyard's own loop records; a script job may log any name.
+LOOP_METRICS = ("train/loss", "train/lr", "train/samples_per_s", "val/loss", "val/accuracy")
+
+
+def _inlined(schema: Any, defs: dict[str, Any]) -> Any:
+    """A JSON schema with its `#/$defs/…` references replaced by what they name: inside the
+    OpenAPI document such a reference would point at the document's root."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inlined(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inlined(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(v, defs) for v in schema]
+    return schema
+
+
+_SCHEMA = SweepIn.model_json_schema()
+CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": _inlined(_SCHEMA, _SCHEMA.get("$defs", {}))}},
+    }
+}
+
+
+class _Checker:
+    """The checks of one create request, run in a worker thread with one read session."""
+
+    def __init__(self, session: Session, settings: Settings, user: Principal):
+        self.session, self.settings, self.user = session, settings, user
+        self._refs: dict[str, Problems] = {}
+
+    def spec_problems(self, obj: Any) -> tuple[job_spec.JobSpec | None, Problems]:
+        """A spec checked as POST /v1/jobs checks one (403 for code the user may not run)."""
+        spec, problems = check_spec(obj, self.settings)
+        if spec is None:
+            return None, problems
+        codechecks.check_code_permission(self.user, spec)
+        if codechecks.needs_store(spec):
+            key = json.dumps([obj.get("code"), obj.get("init")], sort_keys=True)
+            if key not in self._refs:  # the same references: looked up once
+                self._refs[key] = codechecks.reference_problems(
+                    self.session, self.settings.storage, self.user, spec
+                )
+            problems = problems + self._refs[key]
+        return spec, problems
+
+    def corner_problems(self, base: dict[str, Any], space: sp.Space) -> Problems:
+        """Each bound and choice set alone into the base spec, checked."""
+        problems: Problems = []
+        for path, field, value in sp.iter_corner_params(space):
+            try:
+                _, found = self.spec_problems(sp.with_params(base, {path: value}))
+            except sp.PathError as e:
+                problems.append((f"space.{path}", str(e)))
+                continue
+            problems += [_corner_problem(path, field, f, m) for f, m in found]
+        return list(dict.fromkeys(problems))
+
+
+def _corner_problem(path: str, field: str, f: str, m: str) -> tuple[str, str]:
+    """A problem of a spec built with one value, named by what is wrong: the path itself
+    (an unknown field, or one crossing a field that is not an object), else the value."""
+    if m.startswith("unknown field") and (f == path or path.startswith(f + ".")):
+        hint = m.removeprefix("unknown field")  # " (did you mean …?)", when one is close
+        return f"space.{path}", f"{f} is not a field of the job spec{hint}"
+    if path.startswith(f + "."):
+        return f"space.{path}", f"cannot be set: {f}: {m}"
+    return f"space.{path}.{field}", f"makes an invalid spec: {f}: {m}"
+
+
+def _space_problems(s: SweepIn) -> Problems:
+    problems: Problems = []
+    for path, p in s.space.items():
+        for f, m in sp.param_problems(path, p):
+            problems.append((".".join(filter(None, ["space", path, f])), m))
+    if s.sampler == "grid":
+        problems += [(f"space.{f}", m) for f, m in sp.grid_problems(s.space)]
+        if not problems and sp.grid_size(s.space) > sp.MAX_GRID:
+            problems.append(("space", f"the grid has more than {sp.MAX_GRID} points"))
+    return problems
+
+
+def _objective_problems(s: SweepIn, spec: job_spec.JobSpec) -> Problems:
+    if spec.entrypoint is None and s.objective.metric not in LOOP_METRICS:
+        return [("objective.metric", f"torchyard's loop records only {', '.join(LOOP_METRICS)}")]
+    return []
+
+
+def _checked(
+    factory: sessionmaker[Session], settings: Settings, user: Principal, s: SweepIn
+) -> NewSweep:
+    """The sweep to store, or 422 naming every problem (403: code the user may not run)."""
+    with factory() as session:
+        check = _Checker(session, settings, user)
+        spec, problems = check.spec_problems(s.spec)
+        problems = [(f"spec.{f}", m) for f, m in problems] + _space_problems(s)
+        if spec is not None and not problems:
+            problems = _objective_problems(s, spec) + check.corner_problems(s.spec, s.space)
+    if problems or spec is None:
+        raise validation_error(problems, "sweep")
+    trials = min(s.trials, sp.grid_size(s.space)) if s.sampler == "grid" else s.trials
+    space = {k: p.model_dump(mode="json") for k, p in s.space.items()}
+    return NewSweep(
+        name=s.name or f"{spec.display_name}-sweep",
+        spec=s.spec,
+        space=space,
+        metric=s.objective.metric,
+        mode=s.objective.mode,
+        max_trials=trials,
+        parallel=s.parallel,
+        sampler=s.sampler,
+        pruner=s.pruner,
+        seed=spec.seed if s.seed is None else s.seed,
+    )
+
+
+def _store(factory: sessionmaker[Session], user: Principal, new: NewSweep) -> SweepOut:
+    with factory() as session:
+        sweep = create_sweep(session, user.id, new)
+        session.commit()
+        return _out(session, user, sweep.id)
+
+
+def _out(session: Session, user: Principal, sweep_id: str) -> SweepOut:
+    view = sweep_view(session, user.viewer, sweep_id)
+    if view is None:
+        raise not_found("sweep")
+    return SweepOut.model_validate(view)
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=SweepOut,
+    summary="Start a sweep",
+    description="Checks the base spec and every bound and choice of the space as a job "
+    "submit would (422 naming each field, e.g. `space.optimizer.lr.low`; 403 for code the "
+    "user may not run), stores the sweep and wakes the scheduler, whose sweep controller "
+    "then queues the trials as jobs of the user, `parallel` at a time.",
+    responses=responses(401, 403, 413, 422, 503),
+    openapi_extra=CREATE_BODY,
+)
+async def create_sweep_route(
+    request: Request, user: CurrentUser, settings: SettingsDep, background: BackgroundTasks
+) -> SweepOut:
+    raw = await request.body()
+    try:
+        obj = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise validation_error([("body", f"not valid JSON: {e}")], "sweep") from None
+    try:
+        sweep_in = SweepIn.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(input_problems(e), "sweep") from None
+    new = await run_in_threadpool(
+        _checked, request.app.state.read_sessions, settings, user, sweep_in
+    )
+    out = await run_in_threadpool(_store, request.app.state.sessions, user, new)
+    background.add_task(broker.wake_scheduler, settings)
+    return out
+
+
+@router.get(
+    "",
+    response_model=SweepList,
+    summary="List sweeps",
+    description="Newest first, without their trials; admins see every user's. Follow "
+    "`next_cursor` for more.",
+    responses=responses(401, 422, 503),
+)
+def list_sweeps_route(
+    user: CurrentUser,
+    session: ReadSessionDep,
+    state: Annotated[str | None, Query(description="only sweeps in this state")] = None,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> SweepList:
+    if state is not None and state not in SWEEP_STATES:
+        raise validation_error([("state", f"unknown state {state!r}; one of {SWEEP_STATES}")])
+    try:
+        items, next_cursor = list_sweeps(
+            session, user.viewer, states=[state] if state else None, cursor=cursor, limit=limit
+        )
+    except BadCursor as e:
+        raise validation_error([("cursor", str(e))]) from None
+    return SweepList.model_validate({"items": items, "next_cursor": next_cursor})
+
+
+@router.get(
+    "/{sweep_id}",
+    response_model=SweepOut,
+    summary="Show a sweep",
+    description="Its state, every trial (job, values, state, objective value, pruned) and "
+    "the best complete trial.",
+    responses=responses(401, 404, 503),
+)
+def get_sweep_route(sweep_id: str, user: CurrentUser, session: ReadSessionDep) -> SweepOut:
+    return _out(session, user, sweep_id)
+
+
+@router.post(
+    "/{sweep_id}/cancel",
+    status_code=202,
+    response_model=SweepOut,
+    summary="Cancel a sweep",
+    description="No new trial starts; trials queued are cancelled at once, running ones "
+    "stop (their checkpoints are kept). Idempotent.",
+    responses=responses(401, 404, 503),
+)
+def cancel_sweep_route(
+    sweep_id: str,
+    user: CurrentUser,
+    session: SessionDep,
+    settings: SettingsDep,
+    background: BackgroundTasks,
+) -> SweepOut:
+    sweep = get_sweep(session, user.viewer, sweep_id)
+    if sweep is None:
+        raise not_found("sweep")
+    changed = cancel_sweep(session, sweep)
+    session.commit()
+    if changed:
+        background.add_task(broker.wake_scheduler, settings)
+    return _out(session, user, sweep_id)
