@@ -3,6 +3,8 @@
     TorchyardError
     ├── ConnectError ......... the server could not be reached (refused, DNS, timeout)
     ├── SpecFileError ........ a local spec file is missing, unreadable, or not JSON/YAML
+    ├── ConfigError .......... the login file (`torchyard login`) is unreadable or not valid
+    ├── AmbiguousId .......... an id prefix that matches several jobs (or sweeps); `.matches`
     ├── ChecksumError ........ a downloaded file's sha256 differs from the server's
     └── APIError ............. the server answered with an error status
         ├── BadRequest ....... 400 / 413: the request itself was refused
@@ -10,6 +12,7 @@
         ├── NotFound ......... 404: no such job/checkpoint (or not yours)
         ├── Conflict ......... 409: the job's state does not allow it
         ├── InvalidSpec ...... 422: the spec has problems; `.problems` lists (field, message)
+        ├── QuotaExceeded .... 429: over a quota (max_queued); retry once some jobs started
         └── Unavailable ...... 503: the server's store or broker is down
 
 `APIError` keeps the HTTP `status`, the server's `code`, `message` and `details`.
@@ -37,6 +40,23 @@ class SpecFileError(TorchyardError):
     is_user_error = True
 
 
+class ConfigError(TorchyardError):
+    """The per-user login file exists but cannot be read or is not a login file."""
+
+    is_user_error = True
+
+
+class AmbiguousId(TorchyardError):
+    """An id prefix that more than one job (or sweep) starts with. `matches` holds their
+    full ids, newest first; the message names a few so the user can type more of one."""
+
+    is_user_error = True
+
+    def __init__(self, message: str, matches: list[str]) -> None:
+        super().__init__(message)
+        self.matches = matches
+
+
 class ChecksumError(TorchyardError):
     """A downloaded file whose sha256 is not the one the server announced."""
 
@@ -45,13 +65,21 @@ class APIError(TorchyardError):
     """The server answered with an error status."""
 
     def __init__(
-        self, status: int, code: str, message: str, details: Any = None, *, url: str = ""
+        self,
+        status: int,
+        code: str,
+        message: str,
+        details: Any = None,
+        *,
+        url: str = "",
+        hint: str = "",
     ) -> None:
         self.status = status
         self.code = code
         self.message = message
         self.details = details
         self.url = url
+        self.hint = hint  # the client's advice (a 401: where the token was looked for)
         super().__init__(self.one_line())
 
     @property
@@ -73,6 +101,8 @@ class APIError(TorchyardError):
         parts = [p for p in every if p not in text]
         if parts:
             text += ("; " if len(parts) < len(every) else ": ") + "; ".join(parts)
+        if self.hint:
+            text += f"; {self.hint}"
         return text.replace("\n", " ")
 
 
@@ -96,6 +126,10 @@ class InvalidSpec(APIError):
     is_user_error = True
 
 
+class QuotaExceeded(APIError):
+    """Over a quota: nothing was stored; the same request may succeed later."""
+
+
 class Unavailable(APIError):
     pass
 
@@ -108,11 +142,12 @@ _BY_STATUS: dict[int, type[APIError]] = {
     409: Conflict,
     413: BadRequest,
     422: InvalidSpec,
+    429: QuotaExceeded,
     503: Unavailable,
 }
 
 
-def error_for(status: int, body: Any, url: str = "") -> APIError:
+def error_for(status: int, body: Any, url: str = "", hint: str = "") -> APIError:
     """The APIError for a response, reading `{"error": {"code", "message", "details"}}`
     and falling back to FastAPI's `{"detail": ...}` or the bare status."""
     code, message, details = "http_error", "", None
@@ -126,17 +161,20 @@ def error_for(status: int, body: Any, url: str = "") -> APIError:
     if not message:
         message = {401: "unauthorized", 404: "not found", 503: "unavailable"}.get(status, "error")
     cls = _BY_STATUS.get(status, APIError)
-    return cls(status, code, message, details, url=url)
+    return cls(status, code, message, details, url=url, hint=hint)
 
 
 __all__ = [
     "APIError",
+    "AmbiguousId",
     "BadRequest",
     "ChecksumError",
+    "ConfigError",
     "Conflict",
     "ConnectError",
     "InvalidSpec",
     "NotFound",
+    "QuotaExceeded",
     "SpecFileError",
     "TorchyardError",
     "Unauthorized",

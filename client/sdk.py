@@ -2,7 +2,7 @@
 
     from torchyard.client import Client
 
-    with Client() as ty:                      # URL/token from env or $TORCHYARD_HOME/admin-token
+    with Client() as ty:                      # URL/token looked up as client/config.py says
         job = ty.submit(load_spec("examples/digits.json"))
         # or with your own code: ty.submit(load_spec("train.yaml"), code="src/")
         job = ty.wait(job["id"])
@@ -17,11 +17,13 @@ Every failure raises a subclass of `client.errors.TorchyardError`. `http=` takes
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -30,74 +32,47 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 
 from torchyard.client.bundle import bundle_id, pack
+from torchyard.client.config import Connection, resolve
 from torchyard.client.errors import (
+    AmbiguousId,
     ChecksumError,
+    Conflict,
     ConnectError,
     NotFound,
-    SpecFileError,
     TorchyardError,
     Unavailable,
     error_for,
 )
+from torchyard.client.specfile import load_spec_file
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 _CHUNK = 1 << 20
 # The server sends a keep-alive comment every 15 s: a stream silent for longer is dead.
 _SSE_READ_TIMEOUT_S = 60.0
 
 ProgressFn = Callable[[int, int | None], None]
-
-
-def torchyard_home(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    return Path(env.get("TORCHYARD_HOME") or ".torchyard")
+_FULL_ID = re.compile(r"^[0-9a-f]{32}$")
+_PREFIX = re.compile(r"^[0-9a-f]{1,31}$")
+# How many of the newest jobs a prefix is looked for in (the server matches full ids only).
+PREFIX_SCAN = 5000
+# The log's end, as an offset: the server answers with its size and no data.
+_LOG_END = 2**62
+_TAIL_BYTES = 4 * 1024 * 1024  # the most one logs request returns
 
 
 def resolve_config(
     url: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
 ) -> tuple[str, str | None]:
-    """Server URL and token: explicit values, then TORCHYARD_URL / TORCHYARD_TOKEN, then the
-    files `torchyard up` writes in $TORCHYARD_HOME (`url`, `admin-token`), then the default URL."""
-    env = os.environ if env is None else env
-    home = torchyard_home(env)
-    url = url or env.get("TORCHYARD_URL") or _read_first_line(home / "url") or DEFAULT_URL
-    token = token or env.get("TORCHYARD_TOKEN") or _read_first_line(home / "admin-token")
-    return url.rstrip("/"), token
-
-
-def _read_first_line(path: Path) -> str | None:
-    try:
-        line = path.read_text().strip().splitlines()
-    except OSError:
-        return None
-    return line[0].strip() if line else None
+    """Server URL and token, looked up in the order client/config.py gives."""
+    conn = resolve(url, token, env)
+    return conn.url, conn.token
 
 
 def load_spec(path: str | Path) -> dict[str, Any]:
-    """A spec file as a dict: `.yaml`/`.yml` through PyYAML (safe loader), anything else as JSON."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise SpecFileError(f"cannot read {p}: {e.strerror or e}") from None
-    try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            obj = yaml.safe_load(text)
-        else:
-            obj = json.loads(text)
-    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: one line for the user
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpecFileError(f"{p} is not valid {_kind(p)}: {first}") from None
-    if not isinstance(obj, dict):
-        raise SpecFileError(f"{p} must hold one object (a mapping of spec fields)")
-    return obj
-
-
-def _kind(p: Path) -> str:
-    return "YAML" if p.suffix.lower() in (".yaml", ".yml") else "JSON"
+    """A spec file as a dict: `.yaml`/`.yml` as YAML (numbers as YAML 1.2 reads them, so
+    `lr: 1e-3` is a number), anything else as JSON. Raises SpecFileError: unreadable, not
+    valid (with the line, column and a caret), or not one object. See client/specfile.py."""
+    return load_spec_file(path)
 
 
 @dataclass(frozen=True)
@@ -144,10 +119,17 @@ class Client:
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
         http: httpx.Client | None = None,
+        connection: Connection | None = None,
     ) -> None:
         """`http`: an httpx.Client to send through, kept open by `close()` (its owner closes
-        it); its base URL is used unless `url` is given. `transport`: for a client of our own."""
-        self.url, self.token = resolve_config(url, token)
+        it); its base URL is used unless `url` is given. `transport`: for a client of our own.
+        `connection`: URL and token already looked up (the CLI's, naming its flags)."""
+        if connection is None:
+            if http is not None and not url:
+                url = str(http.base_url)
+            connection = resolve(url, token, given=("Client(url=…)", "Client(token=…)"))
+        self.connection = connection
+        self.url, self.token = connection.url, connection.token
         self.timeout = timeout
         headers = {"Accept": "application/json", "User-Agent": "torchyard-client"}
         if self.token:
@@ -180,13 +162,38 @@ class Client:
         try:
             resp = self._http.send(request, stream=stream)
         except httpx.TransportError as e:
-            raise _unreachable(self.url, e) from None
+            raise self._unreachable(e) from None
         if resp.status_code >= 400:
             if stream:
                 resp.read()
                 resp.close()
-            raise _error_of(resp)
+            raise self._error_of(resp)
         return resp
+
+    def _unreachable(self, e: httpx.TransportError) -> ConnectError:
+        if isinstance(e, httpx.TimeoutException):
+            head = f"the torchyard API at {self.url} did not answer in time"
+        else:
+            head = f"cannot reach the torchyard API at {self.url} ({_reason(e)})"
+        return ConnectError(f"{head}; {self.connection.unreachable_hint()}")
+
+    def _error_of(self, resp: httpx.Response) -> Exception:
+        """The APIError of a response; a 401 says where the token was looked for."""
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code != 401:
+            return error_for(resp.status_code, body, str(resp.request.url))
+        if not self.token:  # the server's advice (an HTTP header) is not the user's fix
+            body = {"error": {"code": "unauthorized", "message": "no API token"}}
+        return error_for(401, body, str(resp.request.url), self.connection.token_hint())
+
+    def use_token(self, token: str) -> None:
+        """Send `token` from now on (`torchyard login` asks for one when none was found)."""
+        self.token = token
+        self.connection = replace(self.connection, token=token, token_from="the prompt")
+        self._http.headers["Authorization"] = f"Bearer {token}"
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
         params = {k: v for k, v in (kw.pop("params", None) or {}).items() if v is not None}
@@ -214,17 +221,27 @@ class Client:
         return self._json("POST", "/v1/jobs", json=body, headers=headers)
 
     def job(self, job_id: str) -> dict:
-        return self._json("GET", f"/v1/jobs/{_seg(job_id)}")
+        """The job. Here and in every method that takes a job id, a unique prefix of the id
+        will do (NotFound when none matches, AmbiguousId when several do)."""
+        return self._json("GET", f"/v1/jobs/{self._jid(job_id)}")
 
     def jobs(
-        self, *, state: str | None = None, limit: int | None = None, cursor: str | None = None
+        self,
+        *,
+        state: str | Sequence[str] | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
     ) -> dict:
-        """One page: {"items": [...], "next_cursor": ...}, newest first."""
+        """One page: {"items": [...], "next_cursor": ...}, newest first; `state` one state or
+        several (jobs in any of them)."""
+        states = [state] if isinstance(state, str) else list(state or [])
         return self._json(
-            "GET", "/v1/jobs", params={"state": state, "limit": limit, "cursor": cursor}
+            "GET", "/v1/jobs", params={"state": states or None, "limit": limit, "cursor": cursor}
         )
 
-    def iter_jobs(self, *, state: str | None = None, page_size: int = 50) -> Iterator[dict]:
+    def iter_jobs(
+        self, *, state: str | Sequence[str] | None = None, page_size: int = 50
+    ) -> Iterator[dict]:
         """Every job, following the cursor across pages."""
         cursor = None
         while True:
@@ -234,8 +251,30 @@ class Client:
             if not cursor:
                 return
 
+    def resolve_job_id(self, ref: str) -> str:
+        """A full job id as it is (no request); otherwise the one job among your newest
+        PREFIX_SCAN whose id starts with `ref`."""
+        if _FULL_ID.match(ref):
+            return ref
+        if not _PREFIX.match(ref):
+            raise _not_found(f"not a job id: {ref!r} (32 hex digits, or a unique prefix)")
+        return match_prefix("job", ref, self.iter_jobs(page_size=500), PREFIX_SCAN)
+
+    _jid = resolve_job_id
+
     def cancel(self, job_id: str) -> dict:
-        return self._json("POST", f"/v1/jobs/{_seg(job_id)}/cancel")
+        """Cancel the job (idempotent). A job that already succeeded or failed raises
+        Conflict saying so (`details["state"]` is its state)."""
+        job_id = self._jid(job_id)
+        try:
+            return self._json("POST", f"/v1/jobs/{job_id}/cancel")
+        except Conflict as e:
+            state = e.details.get("state") if isinstance(e.details, dict) else None
+            if state not in TERMINAL_STATES:
+                raise
+            raise Conflict(
+                e.status, e.code, f"job {job_id} already {state}: nothing to cancel", e.details
+            ) from None
 
     def wait(
         self,
@@ -247,6 +286,7 @@ class Client:
     ) -> dict:
         """Poll until the job reaches succeeded, failed or cancelled; returns the final job."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        job_id = self._jid(job_id)
         while True:
             job = self.job(job_id)
             if on_update:
@@ -272,12 +312,13 @@ class Client:
         server in pages: every page is fetched and joined."""
         names = [name] if isinstance(name, str) else list(name or [None])
         series: dict[str, dict[str, list]] = {}
+        job_id = self._jid(job_id)
         for n in names:
             after = after_step
             while True:
                 body = self._json(
                     "GET",
-                    f"/v1/jobs/{_seg(job_id)}/metrics",
+                    f"/v1/jobs/{job_id}/metrics",
                     params={"name": n, "after_step": after, "max_points": max_points},
                 )
                 for k, page in body.get("series", {}).items():
@@ -292,11 +333,26 @@ class Client:
     def logs(self, job_id: str, *, offset: int = 0, limit: int | None = None) -> dict:
         """{"data", "offset", "next_offset", "size", "complete"}: a window of the job's log."""
         return self._json(
-            "GET", f"/v1/jobs/{_seg(job_id)}/logs", params={"offset": offset, "limit": limit}
+            "GET", f"/v1/jobs/{self._jid(job_id)}/logs", params={"offset": offset, "limit": limit}
         )
+
+    def log_tail(self, job_id: str, lines: int) -> dict:
+        """The log's last `lines` lines (of its last 4 MiB at most): {"data", "next_offset"},
+        `next_offset` being where `follow_logs` goes on from."""
+        job_id = self._jid(job_id)
+        size = int(self.logs(job_id, offset=_LOG_END, limit=1).get("size") or 0)
+        want = 64 * 1024
+        while True:
+            start = max(0, size - want)
+            chunk = self.logs(job_id, offset=start, limit=max(1, size - start))
+            text = _last_lines(chunk.get("data") or "", lines, start == 0, want >= _TAIL_BYTES)
+            if text is not None:
+                return {"data": text, "next_offset": int(chunk.get("next_offset", size))}
+            want = min(want * 4, _TAIL_BYTES)
 
     def follow_logs(self, job_id: str, *, offset: int = 0, poll_s: float = 1.0) -> Iterator[str]:
         """The log's text as it grows, until the job has ended and everything was read."""
+        job_id = self._jid(job_id)
         while True:
             chunk = self.logs(job_id, offset=offset)
             if chunk.get("data"):
@@ -326,6 +382,7 @@ class Client:
         twice, for up to `reconnect_for_s` of failures in a row; a stream that never opened
         fails at once (a wrong URL is not retried). `on_retry` hears each failure."""
         last, lost_since, opened = last_event_id, None, False
+        job_id = self._jid(job_id)
 
         def on_open() -> None:
             nonlocal opened, lost_since
@@ -360,12 +417,12 @@ class Client:
         lines are consumed here."""
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
         timeout = httpx.Timeout(self.timeout, read=_SSE_READ_TIMEOUT_S)
-        url = f"/v1/jobs/{_seg(job_id)}/events"
+        url = f"/v1/jobs/{self._jid(job_id)}/events"
         try:
             with connect_sse(self._http, "GET", url, headers=headers, timeout=timeout) as src:
                 if src.response.status_code >= 400:
                     src.response.read()
-                    raise _error_of(src.response)
+                    raise self._error_of(src.response)
                 if on_open:
                     on_open()
                 for sse in src.iter_sse():
@@ -375,18 +432,19 @@ class Client:
                         continue  # only a `retry:` line
                     yield Event(sse.event, _decode(sse.data), sse.id)
         except httpx.TransportError as e:
-            raise _unreachable(self.url, e) from None
+            raise self._unreachable(e) from None
         except SSEError as e:
             raise ConnectError(f"{self.url} did not answer with an event stream ({e})") from None
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def checkpoints(self, job_id: str) -> list[dict]:
-        return self._json("GET", f"/v1/jobs/{_seg(job_id)}/checkpoints").get("items", [])
+        return self._json("GET", f"/v1/jobs/{self._jid(job_id)}/checkpoints").get("items", [])
 
     def checkpoint(self, job_id: str, checkpoint: str | int = "latest") -> dict:
         """One checkpoint's record. `latest` is the one of the highest step, the final
         weights export winning a tie (it is what a user wants to load)."""
+        job_id = self._jid(job_id)
         every = self.checkpoints(job_id)
         # Records whose file keep_last already deleted cannot be downloaded.
         items = [c for c in every if c.get("available", True)]
@@ -418,6 +476,7 @@ class Client:
         Bytes go to `<path>.part` first; a `.part` left by a broken download is resumed with
         `Range` (and `If-Range` = the checkpoint's ETag, so a changed file restarts from zero).
         The file is renamed to `path` only once its sha256 matches the server's."""
+        job_id = self._jid(job_id)
         ckpt = self.checkpoint(job_id, checkpoint)
         expected = str(ckpt["sha256"]).lower()
         name = default_filename(job_id, ckpt)
@@ -430,7 +489,7 @@ class Client:
         part = dest.with_name(dest.name + ".part")
         dest.parent.mkdir(parents=True, exist_ok=True)
         have = part.stat().st_size if part.exists() else 0
-        url = f"/v1/jobs/{_seg(job_id)}/checkpoints/{_seg(str(ckpt['id']))}/download"
+        url = f"/v1/jobs/{self._jid(job_id)}/checkpoints/{_seg(str(ckpt['id']))}/download"
         # A .part that is not a prefix of this file fails the hash; then one clean retry.
         for attempt in (1, 2):
             resumed = self._fetch(url, part, have, expected, ckpt.get("bytes"), on_progress)
@@ -520,10 +579,52 @@ class Client:
         """{"id", "bytes", "files"} of a bundle this user uploaded (NotFound otherwise)."""
         return self._json("GET", f"/v1/bundles/{_seg(bundle_id)}")
 
+    # -- sweeps -----------------------------------------------------------------------------
+
+    def create_sweep(self, sweep: Mapping[str, Any]) -> dict:
+        """POST a sweep (`name`, `spec`, `space`, `objective`, `trials`, `parallel`, `sampler`,
+        `pruner`, `seed`); returns it. Its trials are jobs of yours, queued by the scheduler."""
+        return self._json("POST", "/v1/sweeps", json=dict(sweep))
+
+    def get_sweep(self, sweep_id: str) -> dict:
+        """The sweep: its state, every trial (`job_id`, `params`, `state`, `value`,
+        `pruned`, …) and `best` (the complete trial with the best value, or None)."""
+        return self._json("GET", f"/v1/sweeps/{_seg(sweep_id)}")
+
+    def list_sweeps(
+        self, *, state: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> dict:
+        """One page: {"items": [...], "next_cursor": ...}, newest first, without trials."""
+        return self._json(
+            "GET", "/v1/sweeps", params={"state": state, "limit": limit, "cursor": cursor}
+        )
+
+    def cancel_sweep(self, sweep_id: str) -> dict:
+        """Stop a sweep: its queued and running trials are cancelled, no new one starts."""
+        return self._json("POST", f"/v1/sweeps/{_seg(sweep_id)}/cancel")
+
     # -- workers ----------------------------------------------------------------------------
 
     def workers(self) -> list[dict]:
         return self._json("GET", "/v1/workers").get("items", [])
+
+    # -- the pool: quotas and the queue -----------------------------------------------------
+
+    def set_quota(self, user: str, **fields: int | float | None) -> dict:
+        """Change a user's quota (admins): `max_workers`, `max_queued`, `share`; None removes
+        a limit (a share of None goes back to 1), a field not given is left as it is.
+        Returns the whole quota: {"user", "max_workers", "max_queued", "share"}."""
+        return self._json("PUT", f"/v1/users/{_seg(user)}/quota", json=fields)
+
+    def get_quota(self, user: str = "me") -> dict:
+        """A user's quota; `me` (the default) is the caller's own."""
+        return self._json("GET", f"/v1/users/{_seg(user)}/quota")
+
+    def queue(self, *, limit: int | None = None) -> dict:
+        """Queued jobs in the order they would start: {"items", "counts", "usage", "unit",
+        "half_life_s"}. A non-admin's items are their own jobs only (their positions are in
+        the whole queue)."""
+        return self._json("GET", "/v1/queue", params={"limit": limit})
 
     def ready(self) -> bool:
         """True when /readyz answers 200 (no token needed)."""
@@ -543,8 +644,54 @@ def default_filename(job_id: str, ckpt: Mapping[str, Any]) -> str:
     return f"{job_id[:12]}-step{int(ckpt.get('step') or 0)}{ext}"
 
 
+def match_prefix(kind: str, ref: str, items: Iterable[dict], limit: int | None = None) -> str:
+    """The id of the one item (a job, a sweep; at most `limit` of them are read) whose id
+    starts with `ref`. None: NotFound. Several: AmbiguousId naming the first few."""
+    matches: list[dict] = []
+    seen = 0
+    for item in itertools.islice(items, limit):
+        seen += 1
+        if str(item.get("id", "")).startswith(ref):
+            matches.append(item)
+    if len(matches) == 1:
+        return str(matches[0]["id"])
+    if not matches:
+        among = f" among your newest {seen}" if limit is not None and seen >= limit else ""
+        raise _not_found(f"no {kind} id starts with {ref}{among}")
+    width = max(12, len(ref) + 4)
+    listed = "; ".join(
+        f"{str(m['id'])[:width]} {m.get('name')} ({m.get('state')}, created "
+        f"{str(m.get('created_at') or '?')[:16].replace('T', ' ')})"
+        for m in matches[:5]
+    )
+    more = f"; {len(matches) - 5} more" if len(matches) > 5 else ""
+    raise AmbiguousId(
+        f"{ref} matches {len(matches)} {kind}s: {listed}{more}; give more of the id",
+        [str(m["id"]) for m in matches],
+    )
+
+
 def _not_found(message: str) -> Exception:
     return error_for(404, {"error": {"code": "not_found", "message": message}})
+
+
+def _last_lines(text: str, lines: int, at_start: bool, final: bool) -> str | None:
+    """The last `lines` lines of `text`, the log from some offset to its end; None when
+    they may begin before that offset (read more). Text from the middle of a line (the
+    window's start, unless it is the log's) is never shown."""
+    if lines <= 0:
+        return ""
+    body = text[:-1] if text.endswith("\n") else text  # the last line's own newline
+    cut = len(body)
+    for _ in range(lines):
+        cut = body.rfind("\n", 0, cut)
+        if cut < 0:
+            break
+    if cut >= 0:
+        return text[cut + 1 :]
+    if at_start:
+        return text
+    return text[text.find("\n") + 1 :] if final else None
 
 
 def _sha256_file(path: Path) -> str:
@@ -564,15 +711,6 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-def _unreachable(url: str, e: httpx.TransportError) -> ConnectError:
-    if isinstance(e, httpx.TimeoutException):
-        return ConnectError(f"the torchyard API at {url} did not answer in time")
-    return ConnectError(
-        f"cannot reach the torchyard API at {url} ({_reason(e)}); "
-        "is `torchyard up` running, and is TORCHYARD_URL right?"
-    )
-
-
 def _reason(e: Exception) -> str:
     text = str(e) or type(e).__name__
     if "Connection refused" in text or "Errno 111" in text:
@@ -585,11 +723,3 @@ def _decode(data: str) -> Any:
         return json.loads(data)
     except ValueError:
         return data
-
-
-def _error_of(resp: httpx.Response) -> Exception:
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    return error_for(resp.status_code, body, str(resp.request.url))

@@ -21,6 +21,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "run one worker pinned to a GPU (or --device cpu)",
     ),
     "db": ("torchyard.store.cli", "db_main", "database administration: `db upgrade`"),
+    "data": (
+        "torchyard.store.dataimport",
+        "data_main",
+        "data sets in the data root: `data import NAME FILE…` (official archives), `data list`",
+    ),
     "token": (
         "torchyard.store.cli",
         "token_main",
@@ -34,6 +39,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "metrics": ("torchyard.client.cli", "main", "show a job's metrics"),
     "download": ("torchyard.client.cli", "main", "download a checkpoint"),
     "workers": ("torchyard.client.cli", "main", "list workers"),
+    "sweep": ("torchyard.client.cli", "main", "hyperparameter sweeps: create, status, list"),
+    "quota": ("torchyard.client.cli", "main", "show or set a user's quota (setting: admins)"),
+    "queue": ("torchyard.client.cli", "main", "queued jobs in the order they would start"),
+    "ui": (
+        "torchyard.client.ui_cmd",
+        "main",
+        "print (and open, honouring BROWSER) a URL that logs the dashboard in, once",
+    ),
+    "login": (
+        "torchyard.client.cli",
+        "main",
+        "check and save a server's URL and token for every command: `login URL [--token T]`",
+    ),
 }
 
 

@@ -185,6 +185,7 @@ class Up:
         # Where this home's API listens, for the CLI (kept after stopping: clients that
         # follow a job across a restart find it again).
         (home / "url").write_text(url + "\n")
+        save_login(url, token)
         for c in self.children:
             self._start(c)
         try:
@@ -394,6 +395,35 @@ def ensure_admin_token(settings: Any, home: Path) -> str:
         f.write(token + "\n")
     say(f"created an admin token in {path}")
     return token
+
+
+def save_login(url: str, token: str, env: dict[str, str] | None = None) -> None:
+    """Save this server's URL and admin token in the per-user login file, so the CLI finds it
+    from any directory. A login to another server (`torchyard login`) is kept: it is the
+    user's choice, and its token may be had nowhere else. `up` says so, and how to switch."""
+    from torchyard.client import config
+    from torchyard.client.errors import ConfigError
+
+    path = config.config_path(env)
+    try:
+        saved = config.load(env)
+    except ConfigError as e:  # unusable as it is: replaced, and said
+        say(f"{e}; replacing it")
+        saved = None
+    if saved is not None and saved.saved_by == "login":
+        if saved.url != config.normal_url(url):
+            say(f"kept your login to {saved.url} in {path}: clients use it before this home's")
+            say(f"files; to use this server from anywhere: torchyard login {url} --token <the")
+            say("admin token below>, or set TORCHYARD_URL and TORCHYARD_TOKEN")
+        return  # a login to this very server, maybe as another user: left as it is
+    try:
+        config.save(url, token, saved_by="up", env=env)
+    except OSError as e:
+        say(f"could not save the login file {path} ({e.strerror or e}); clients find this")
+        say(f"server from this directory only, or with TORCHYARD_URL={url}")
+        return
+    if saved is None or saved.url != config.normal_url(url):
+        say(f"saved {url} and the admin token in {path}: the CLI finds them from any directory")
 
 
 def _kill(c: Child, sig: int) -> None:

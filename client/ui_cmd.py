@@ -1,0 +1,81 @@
+"""`torchyard ui`: print a URL that opens the dashboard logged in, and open it.
+
+The URL carries a one-time secret (POST /v1/ui/login-links, made with this CLI's token) in
+its fragment: browsers never send a fragment to the server, the page takes it out of the
+address bar at once and exchanges it for a session cookie, and the secret is good for one
+exchange within five minutes. The token itself never leaves this process.
+
+It opens the URL with the browser `BROWSER` names (Python's `webbrowser` rules), or the
+desktop's default where there is a display; elsewhere (an SSH session) it only prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import webbrowser
+from collections.abc import Mapping
+
+import httpx
+
+from torchyard.client.config import LOOKUP_ORDER, resolve
+
+HELP = "print (and open) a URL that lands in the dashboard logged in; good once, for 5 minutes"
+
+
+def _can_open(env: Mapping[str, str]) -> bool:
+    """A browser to open: BROWSER set, or a desktop (not a console browser on a server)."""
+    if env.get("BROWSER"):
+        return True
+    if sys.platform in ("darwin", "win32"):
+        return True
+    return bool(env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchyard ui", description=HELP, epilog=LOOKUP_ORDER)
+    p.add_argument("--url", help="the server (default: as every command finds it)")
+    p.add_argument("--token", help="the API token (default: as every command finds it)")
+    p.add_argument("--no-open", action="store_true", help="print the URL only")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    conn = resolve(args.url, args.token)
+    if not conn.token:
+        print(f"torchyard ui: {conn.token_hint()}", file=sys.stderr)
+        return 1
+    try:
+        r = httpx.post(
+            f"{conn.url}/v1/ui/login-links",
+            headers={"Authorization": f"Bearer {conn.token}"},
+            timeout=30,
+        )
+    except httpx.HTTPError as e:
+        print(f"torchyard ui: cannot reach {conn.url} ({e}); {conn.unreachable_hint()}", file=sys.stderr)  # fmt: skip
+        return 1
+    if r.status_code != 201:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        hint = f"; {conn.token_hint()}" if r.status_code == 401 else ""
+        print(f"torchyard ui: {r.status_code} {message}{hint}", file=sys.stderr)
+        return 1
+    url = conn.url + r.json()["path"]
+    print(url)
+    print("(logs in once, within 5 minutes; run `torchyard ui` again for another)", file=sys.stderr)
+    if not args.no_open and _can_open(os.environ):
+        try:
+            opened = webbrowser.open(url)
+        except webbrowser.Error:
+            opened = False
+        if not opened:
+            print("torchyard ui: no browser to open: open the URL above", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
