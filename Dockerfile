@@ -1,5 +1,14 @@
 # One image for every torchyard process (api, scheduler, worker, db upgrade): the command
 # picks which. Installs from the repository's own files with the pinned constraints.
+
+# The dashboard's static files (web/ built by esbuild, its packages pinned by the lock file).
+FROM node:20-slim AS web
+WORKDIR /app/web
+COPY web/package.json web/package-lock.json ./
+RUN npm ci --no-audit --no-fund
+COPY web/ ./
+RUN node build.mjs
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -16,6 +25,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
  && rm /tmp/requirements.txt
 
 COPY . .
+COPY --from=web /app/api/static ./api/static
 RUN pip install -c constraints.txt . \
  && useradd --create-home --uid 1000 torchyard \
  && mkdir -p /srv/torchyard/home /srv/torchyard/storage /srv/torchyard/data \

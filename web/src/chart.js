@@ -1,0 +1,223 @@
+// One chart of one or more curves, drawn from the server's downsampled series: each curve
+// is its buckets' last values with the min–max band around them, so a spike inside a
+// bucket still shows, at every zoom. Drag to zoom loads that step range's finer points
+// from the server; double-click goes back to the whole run. Live points are appended.
+import uPlot from "uplot";
+import "uplot/dist/uPlot.min.css";
+import { api, jobPath, query } from "./api.js";
+import { fmtNum, h, replace, throttle } from "./dom.js";
+
+const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#db2777", "#65a30d", "#4f46e5", "#b45309"];
+const HEIGHT = 260;
+const MAX_POINTS = 4000;
+
+export function color(i) { return PALETTE[i % PALETTE.length]; }
+
+function rgba(hex, a) {
+  const n = parseInt(hex.slice(1), 16);
+  return `rgba(${n >> 16},${(n >> 8) & 255},${n & 255},${a})`;
+}
+
+function finite(v) { return v == null || !Number.isFinite(v) ? null : v; }
+
+function normalize(s) {
+  if (!s) return { steps: [], values: [], min: [], max: [] };
+  const values = s.values.map(finite);
+  return { steps: s.steps, values, min: (s.min || s.values).map(finite), max: (s.max || s.values).map(finite) };
+}
+
+export class MetricChart {
+  // sources: [{job, name, label, color}]; one curve (with its band) each.
+  constructor(el, { title, sources }) {
+    this.el = el;
+    this.sources = sources;
+    this.overview = sources.map(() => normalize(null));
+    this.zoomed = null;
+    this.range = null;
+    this.log = false;
+    this.appended = 0;
+    this.loads = 0;
+    this.u = null;
+    el.__chart = this; // for tests and the benchmark
+    el.dataset.mode = "overview";
+    this.logBox = h("input", { type: "checkbox", onchange: () => this.setLog(this.logBox.checked) });
+    this.stepEl = h("span", { class: "muted small" });
+    this.plotEl = h("div", { class: "plot" });
+    this.legendEl = h("div", { class: "legend" });
+    replace(el,
+      h("div", { class: "chart-head" },
+        h("h3", {}, title),
+        h("label", { class: "small" }, this.logBox, " log scale"),
+        h("span", { class: "muted small hint" }, "drag to zoom · double-click to reset"),
+        this.stepEl),
+      this.plotEl, this.legendEl);
+    this.legendValues = sources.map((s) => h("span", { class: "legend-value" }));
+    replace(this.legendEl, sources.map((s, i) => {
+      const swatch = h("span", { class: "swatch" });
+      swatch.style.background = s.color;
+      return h("span", { class: "legend-item" }, swatch, h("span", { class: "legend-label" }, s.label), this.legendValues[i]);
+    }));
+    this.redraw = throttle(() => this.draw(), 250);
+    this.reloadSoon = throttle(() => this.load().catch(() => {}), 3000);
+    this.resizer = new ResizeObserver(() => this.u && this.u.setSize({ width: this.width(), height: HEIGHT }));
+    this.resizer.observe(this.plotEl);
+  }
+
+  width() { return Math.max(300, Math.floor(this.plotEl.clientWidth || 600)); }
+
+  async fetch(range) {
+    const byJob = new Map();
+    this.sources.forEach((s, i) => { if (!byJob.has(s.job)) byJob.set(s.job, []); byJob.get(s.job).push(i); });
+    const maxPoints = Math.min(MAX_POINTS, this.width());
+    const out = [];
+    await Promise.all([...byJob].map(async ([job, idxs]) => {
+      const params = { name: idxs.map((i) => this.sources[i].name), max_points: maxPoints };
+      if (range) Object.assign(params, { min_step: range[0], max_step: range[1] });
+      const body = await api(jobPath(job) + "/metrics" + query(params));
+      for (const i of idxs) out[i] = normalize(body.series[this.sources[i].name]);
+    }));
+    return out;
+  }
+
+  async load() {
+    this.overview = await this.fetch(null);
+    this.appended = 0;
+    this.loads += 1;
+    this.el.dataset.loads = String(this.loads);
+    if (!this.zoomed) this.draw();
+  }
+
+  async zoom(lo, hi) {
+    this.range = [lo, hi];
+    this.el.dataset.mode = "loading";
+    const data = await this.fetch([lo, hi]);
+    if (!this.range || this.range[0] !== lo || this.range[1] !== hi) return; // superseded
+    this.zoomed = data;
+    this.draw();
+    this.el.dataset.range = `${lo}-${hi}`;
+    this.el.dataset.mode = "zoom";
+  }
+
+  reset() {
+    this.zoomed = null;
+    this.range = null;
+    this.el.dataset.mode = "overview";
+    delete this.el.dataset.range;
+    this.draw();
+  }
+
+  // A live point (from the job's event stream).
+  append(job, name, step, value) {
+    const i = this.sources.findIndex((s) => s.job === job && s.name === name);
+    if (i < 0) return false;
+    const o = this.overview[i];
+    if (o.steps.length && step <= o.steps[o.steps.length - 1]) return true; // already drawn
+    const v = finite(value);
+    o.steps.push(step); o.values.push(v); o.min.push(v); o.max.push(v);
+    this.appended += 1;
+    // Appended points are raw: past a screenful, ask for buckets again.
+    if (this.appended > this.width()) this.reloadSoon();
+    if (!this.zoomed) this.redraw();
+    return true;
+  }
+
+  setLog(on) {
+    this.log = on;
+    if (this.u) { this.u.destroy(); this.u = null; }
+    this.draw();
+  }
+
+  data() {
+    const parts = this.zoomed || this.overview;
+    const tables = parts.map((p) => [p.steps, p.values, p.min, p.max]);
+    return tables.length === 1 ? tables[0] : uPlot.join(tables);
+  }
+
+  draw() {
+    const data = this.data();
+    const positive = data.slice(1).every((ys) => ys.every((v) => v == null || v > 0));
+    this.logBox.disabled = !positive;
+    this.logBox.title = positive ? "" : "values ≤ 0 have no logarithm";
+    if (this.log && !positive) { this.log = false; this.logBox.checked = false; if (this.u) { this.u.destroy(); this.u = null; } }
+    if (this.u) this.u.setData(data);
+    else this.u = new uPlot(this.options(), data, this.plotEl);
+    this.el.dataset.points = String(data[0].length);
+    this.showValues(null);
+    if (data[0].length && !this.el.dataset.ready) {
+      this.el.dataset.ready = "1";
+      performance.mark("ty-first-chart");
+    }
+  }
+
+  options() {
+    const series = [{ label: "step" }];
+    const bands = [];
+    this.sources.forEach((s, i) => {
+      const base = 1 + 3 * i;
+      series.push({ label: s.label, stroke: s.color, width: 1.5, spanGaps: true });
+      for (const edge of ["min", "max"]) {
+        series.push({ label: `${s.label} ${edge}`, stroke: rgba(s.color, 0.45), width: 1, spanGaps: true, points: { show: false } });
+      }
+      bands.push({ series: [base + 2, base + 1], fill: rgba(s.color, 0.15) });
+    });
+    return {
+      width: this.width(),
+      height: HEIGHT,
+      series,
+      bands,
+      legend: { show: false },
+      scales: { x: { time: false }, y: { distr: this.log ? 3 : 1 } },
+      axes: [{}, { size: 64, values: (u, vals) => vals.map(fmtNum) }],
+      cursor: {
+        drag: { x: true, y: false, setScale: false },
+        bind: { dblclick: () => () => { this.reset(); return null; } },
+      },
+      hooks: {
+        setSelect: [(u) => this.onSelect(u)],
+        setCursor: [(u) => this.showValues(u.cursor.idx)],
+      },
+    };
+  }
+
+  onSelect(u) {
+    const { left, width } = u.select;
+    if (width < 3) return;
+    const lo = Math.floor(u.posToVal(left, "x"));
+    const hi = Math.ceil(u.posToVal(left + width, "x"));
+    u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+    if (hi > lo) this.zoom(lo, hi).catch((e) => { this.el.dataset.mode = "error"; this.stepEl.textContent = e.message; });
+  }
+
+  // The legend's values: under the cursor, else each curve's last point.
+  showValues(idx) {
+    const data = this.u ? this.u.data : this.data();
+    const xs = data[0];
+    this.stepEl.textContent = idx != null && xs[idx] != null ? `step ${xs[idx]}` : "";
+    this.sources.forEach((s, i) => {
+      const ys = data[1 + 3 * i] || [];
+      let k = idx;
+      if (k == null) { k = ys.length - 1; while (k >= 0 && ys[k] == null) k--; }
+      this.legendValues[i].textContent = k != null && k >= 0 ? fmtNum(ys[k]) : "–";
+    });
+  }
+
+  destroy() {
+    this.resizer.disconnect();
+    this.redraw.cancel();
+    this.reloadSoon.cancel();
+    if (this.u) this.u.destroy();
+    this.u = null;
+  }
+}
+
+// Metric names to charts: curves that share what follows their first "/" share a chart
+// (train/loss with val/loss), everything else has its own.
+export function metricGroups(names) {
+  const groups = new Map();
+  for (const name of [...names].sort()) {
+    const key = name.includes("/") ? name.slice(name.indexOf("/") + 1) : name;
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(name);
+  }
+  return [...groups].map(([title, members]) => ({ title, names: members }));
+}

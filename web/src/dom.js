@@ -1,0 +1,98 @@
+// DOM building without HTML strings: every value from the server becomes a text node or
+// an attribute, never markup, so a job name like <img onerror=…> shows as text.
+
+export function h(tag, props, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(props || {})) {
+    if (value == null || value === false) continue;
+    if (key === "class") el.className = value;
+    else if (key === "dataset") Object.assign(el.dataset, value);
+    else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+    else if (key === "value") el.value = value;
+    else if (key === "checked") el.checked = !!value;
+    else el.setAttribute(key, value === true ? "" : String(value));
+  }
+  append(el, children);
+  return el;
+}
+
+function append(el, children) {
+  for (const child of children.flat(Infinity)) {
+    if (child == null || child === false) continue;
+    el.append(child instanceof Node ? child : String(child));
+  }
+}
+
+export function replace(el, ...children) {
+  el.replaceChildren();
+  append(el, children);
+  return el;
+}
+
+// An internal link: the router handles the click (no page load).
+export function link(path, ...children) {
+  return h("a", { href: path, "data-link": "" }, ...children);
+}
+
+export function fmtNum(v) {
+  if (v == null || !Number.isFinite(v)) return "–";
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(3);
+  return String(Number(v.toPrecision(4)));
+}
+
+export function fmtDuration(s) {
+  if (s == null || !Number.isFinite(s)) return "–";
+  s = Math.max(0, Math.round(s));
+  const hh = Math.floor(s / 3600), mm = Math.floor((s % 3600) / 60), ss = s % 60;
+  const two = (n) => String(n).padStart(2, "0");
+  return hh ? `${hh}:${two(mm)}:${two(ss)}` : `${mm}:${two(ss)}`;
+}
+
+export function fmtAge(seconds) {
+  if (seconds == null || !Number.isFinite(seconds)) return "–";
+  const s = Math.max(0, seconds);
+  if (s < 60) return `${Math.floor(s)}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h`;
+  return `${Math.floor(s / 86400)}d`;
+}
+
+export function fmtBytes(n) {
+  if (n == null) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${i ? n.toFixed(1) : n} ${units[i]}`;
+}
+
+export function fmtTime(iso) {
+  return iso ? new Date(iso).toLocaleString() : "–";
+}
+
+export function stateBadge(state) {
+  return h("span", { class: `state state-${String(state).replace(/[^a-z_]/g, "")}` }, state);
+}
+
+export function progressCell(p, state) {
+  if (!p || p.step == null) return h("span", { class: "muted" }, state === "queued" ? "waiting" : "–");
+  const frac = p.total_steps ? Math.min(1, p.step / p.total_steps) : null;
+  const bar = h("div", { class: "bar" }, h("div", { class: "fill" }));
+  if (frac != null) bar.firstChild.style.width = `${(frac * 100).toFixed(1)}%`;
+  const eta = p.eta_s != null && state === "running" ? ` · ETA ${fmtDuration(p.eta_s)}` : "";
+  const text = p.total_steps ? `${p.step}/${p.total_steps}${eta}` : `step ${p.step}${eta}`;
+  return h("div", { class: "progress" }, bar, h("span", { class: "small" }, text));
+}
+
+// Call fn at most once per `ms`, and once more after a burst (the latest state wins).
+export function throttle(fn, ms) {
+  let last = 0, timer = null;
+  const run = () => { timer = null; last = Date.now(); fn(); };
+  const wrapped = () => {
+    if (timer) return;
+    const wait = Math.max(0, last + ms - Date.now());
+    timer = setTimeout(run, wait);
+  };
+  wrapped.cancel = () => { clearTimeout(timer); timer = null; };
+  return wrapped;
+}

@@ -1,0 +1,74 @@
+// Several runs, one metric overlaid: jobs picked in the table (?jobs=a,b,c) or every trial
+// of a sweep (?sweep=ID). Each is named by its name and the parameters in which the runs
+// differ.
+import { api, jobPath, query } from "../api.js";
+import { MetricChart, color } from "../chart.js";
+import { fmtNum, h, link, replace, stateBadge } from "../dom.js";
+
+function flatten(obj, prefix = "", out = {}) {
+  for (const [k, v] of Object.entries(obj || {})) {
+    const key = prefix ? `${prefix}.${k}` : k;
+    if (v && typeof v === "object" && !Array.isArray(v)) flatten(v, key, out);
+    else out[key] = JSON.stringify(v);
+  }
+  return out;
+}
+
+// For each run, "key=value" of the parameters whose values are not the same in every run.
+export function differences(params) {
+  const keys = new Set(params.flatMap((p) => Object.keys(p)));
+  const differing = [...keys].filter((k) => new Set(params.map((p) => p[k] ?? "∅")).size > 1).sort();
+  return params.map((p) => differing.map((k) => `${k}=${p[k] ?? "–"}`));
+}
+
+export async function comparePage(root, { search, navigate }) {
+  const ids = (search.get("jobs") || "").split(",").filter((x) => /^[0-9a-f]{1,64}$/.test(x));
+  const sweep = search.get("sweep");
+  let runs = []; // {id, name, params (flat, JSON values), job}
+  if (sweep) {
+    const s = await api(`/v1/sweeps/${encodeURIComponent(sweep)}`);
+    runs = s.trials.filter((t) => t.job_id).map((t) => ({ id: t.job_id, params: Object.fromEntries(Object.entries(t.params).map(([k, v]) => [k, JSON.stringify(v)])) }));
+  } else {
+    runs = ids.map((id) => ({ id, params: null }));
+  }
+  if (runs.length < 1) {
+    replace(root, h("h2", {}, "Compare runs"), h("p", { class: "muted" }, "Pick two or more jobs in the ", link("/", "jobs table"), " and press Compare."));
+    return null;
+  }
+  const missing = [];
+  await Promise.all(runs.map(async (r) => {
+    try { r.job = await api(jobPath(r.id)); } catch (e) { if (e.status === 404) missing.push(r.id); else throw e; }
+  }));
+  runs = runs.filter((r) => r.job);
+  for (const r of runs) {
+    r.name = r.job.name;
+    if (!r.params) { const { name, ...rest } = r.job.spec; r.params = flatten(rest); }
+  }
+  const diffs = differences(runs.map((r) => r.params));
+  runs.forEach((r, i) => { r.label = diffs[i].length ? `${r.name} · ${diffs[i].join(", ")}` : r.name; });
+  const names = [...new Set(runs.flatMap((r) => Object.keys(r.job.latest_metrics)))].sort();
+  const wanted = search.get("metric");
+  const metric = names.includes(wanted) ? wanted : ["val/accuracy", "val/loss", "train/loss"].find((n) => names.includes(n)) || names[0];
+  const select = h("select", { id: "metric", onchange: () => {
+    const q = sweep ? { sweep, metric: select.value } : { jobs: runs.map((r) => r.id).join(","), metric: select.value };
+    navigate("/compare" + query(q));
+  } }, names.map((n) => h("option", { value: n, selected: n === metric }, n)));
+  const chartEl = h("div", { class: "chart", id: "compare-chart" });
+  replace(root,
+    h("div", { class: "toolbar" }, h("h2", {}, sweep ? `Sweep ${sweep.slice(0, 12)}` : `${runs.length} runs`), h("label", {}, "metric ", select)),
+    missing.length ? h("p", { class: "error" }, `Not found: ${missing.join(", ")}`) : null,
+    chartEl,
+    h("table", { id: "runs" },
+      h("thead", {}, h("tr", {}, ["", "run", "state", "differs in", metric || ""].map((t) => h("th", {}, t)))),
+      h("tbody", {}, runs.map((r, i) => {
+        const swatch = h("span", { class: "swatch" });
+        swatch.style.background = color(i);
+        const last = r.job.latest_metrics[metric];
+        return h("tr", {}, h("td", {}, swatch), h("td", {}, link(`/jobs/${r.id}`, r.name)), h("td", {}, stateBadge(r.job.state)),
+          h("td", { class: "small mono" }, diffs[i].join(", ") || "–"), h("td", { class: "num" }, fmtNum(last && last.value)));
+      }))));
+  if (!metric) { replace(chartEl, h("p", { class: "muted" }, "These runs have no metrics yet.")); return null; }
+  const chart = new MetricChart(chartEl, { title: metric, sources: runs.map((r, i) => ({ job: r.id, name: metric, label: r.label, color: color(i) })) });
+  await chart.load();
+  return () => chart.destroy();
+}

@@ -1,0 +1,184 @@
+// One job: state and attempts (with their causes), pending reason, progress, one chart per
+// metric group (live while it runs), the log (followed while it runs), checkpoints with
+// their download links, Cancel, and the spec. Live through the job's own event stream.
+import { api, jobPath, query, stream } from "../api.js";
+import { MetricChart, color, metricGroups } from "../chart.js";
+import { fmtBytes, fmtDuration, fmtTime, h, link, progressCell, replace, stateBadge, throttle } from "../dom.js";
+
+const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+const LOG_TAIL = 256 * 1024;
+const LOG_END = "4611686018427387904"; // 2**62, the largest offset: the answer is the size
+const LOG_KEEP = 1024 * 1024; // characters kept on screen
+
+function cause(a) {
+  if (a.state === "lost") return "lost worker" + (a.reason ? `: ${a.reason}` : "");
+  if (a.state === "handed_back") return /preempt/i.test(a.reason || "") ? `preempted: ${a.reason}` : `handed back${a.reason ? `: ${a.reason}` : ""}`;
+  return a.reason || "";
+}
+
+export async function jobPage(root, { params }) {
+  const id = params[0];
+  let start;
+  try {
+    start = (await api(`/v1/ui/jobs/${id}/stream-start`)).last_event_id;
+  } catch (e) {
+    replace(root, h("h2", {}, "Job not found"), h("p", { class: "muted" }, e.status === 404 ? `No job ${id} that you can see.` : e.message), link("/", "All jobs"));
+    return null;
+  }
+  const parts = {
+    head: h("section", { class: "job-head" }), info: h("section", { class: "info" }),
+    attempts: h("section", {}), charts: h("section", { class: "charts", id: "charts" }),
+    checkpoints: h("section", {}), logs: h("pre", { class: "log", id: "log" }), spec: h("pre", { class: "spec", id: "spec" }),
+  };
+  const dialog = h("dialog", { id: "confirm-cancel" });
+  replace(root, parts.head, parts.info, parts.charts, parts.attempts, parts.checkpoints,
+    h("section", {}, h("h2", {}, "Log"), parts.logs), h("section", {}, h("h2", {}, "Spec"), parts.spec), dialog);
+
+  const charts = new Map(); // group title -> MetricChart
+  let job = null, es = null, logOffset = null, closed = false;
+
+  async function refreshJob() {
+    job = await api(jobPath(id));
+    renderHead(); renderInfo(); renderAttempts();
+    parts.spec.textContent = JSON.stringify(job.spec, null, 2);
+    ensureCharts(Object.keys(job.latest_metrics));
+    root.dataset.state = job.state;
+  }
+
+  function renderHead() {
+    const live = !TERMINAL.has(job.state);
+    const cancel = live && job.state !== "cancelling"
+      ? h("button", { class: "danger", id: "cancel", onclick: confirmCancel }, "Cancel…") : null;
+    replace(parts.head,
+      h("div", {}, h("h1", { id: "job-name" }, job.name), h("div", { class: "muted mono small" }, job.id)),
+      h("div", { class: "head-right" }, h("span", { id: "job-state" }, stateBadge(job.state)), cancel));
+  }
+
+  function renderInfo() {
+    const p = job.progress;
+    const rows = [
+      ["owner", job.owner], ["attempt", `${job.attempt} (max restarts ${job.max_restarts})`],
+      ["progress", progressCell(p, job.state)],
+      p && p.samples_per_s ? ["speed", `${Math.round(p.samples_per_s).toLocaleString()} samples/s`] : null,
+      job.pending_reason ? ["waiting because", h("span", { id: "pending" }, job.pending_reason)] : null,
+      job.error ? ["error", h("span", { class: "error-text", id: "job-error" }, job.error)] : null,
+      ["submitted", fmtTime(job.created_at)], ["started", fmtTime(job.started_at)], ["finished", fmtTime(job.finished_at)],
+      ["workers", String(job.world_size)],
+    ].filter(Boolean);
+    replace(parts.info, h("dl", {}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
+  }
+
+  function renderAttempts() {
+    const duration = (a) => a.started_at ? fmtDuration(((a.ended_at ? Date.parse(a.ended_at) : Date.now()) - Date.parse(a.started_at)) / 1000) : "–";
+    replace(parts.attempts, h("h2", {}, "Attempts"), job.attempts.length
+      ? h("table", { id: "attempts" },
+        h("thead", {}, h("tr", {}, ["#", "state", "cause", "exit", "workers", "started", "ran"].map((t) => h("th", {}, t)))),
+        h("tbody", {}, job.attempts.map((a) => h("tr", {},
+          h("td", {}, a.number), h("td", {}, stateBadge(a.state)), h("td", { class: "cause" }, cause(a)),
+          h("td", {}, a.exit_code ?? "–"), h("td", { class: "small" }, a.workers.map((w) => w.worker_id).join(", ")),
+          h("td", { class: "small" }, fmtTime(a.started_at)), h("td", {}, duration(a))))))
+      : h("p", { class: "muted" }, "No attempt yet."));
+  }
+
+  function ensureCharts(names) {
+    for (const group of metricGroups(names)) {
+      const chart = charts.get(group.title);
+      if (chart && group.names.every((n) => chart.sources.some((s) => s.name === n))) continue;
+      const el = h("div", { class: "chart", dataset: { group: group.title } });
+      const sources = group.names.map((name, i) => ({ job: id, name, label: name, color: color(i) }));
+      if (chart) { chart.destroy(); chart.el.replaceWith(el); } else parts.charts.append(el);
+      const c = new MetricChart(el, { title: group.title, sources });
+      charts.set(group.title, c);
+      c.load().catch((e) => { el.dataset.error = e.message; });
+    }
+    if (!charts.size) replace(parts.charts, h("p", { class: "muted", id: "no-metrics" }, "No metrics yet."));
+    else parts.charts.querySelector("#no-metrics")?.remove();
+  }
+
+  async function refreshCheckpoints() {
+    const items = (await api(jobPath(id) + "/checkpoints")).items;
+    replace(parts.checkpoints, h("h2", {}, "Checkpoints"), items.length
+      ? h("table", { id: "checkpoints" },
+        h("thead", {}, h("tr", {}, ["step", "kind", "size", "sha256", "attempt", "saved", ""].map((t) => h("th", {}, t)))),
+        h("tbody", {}, items.map((c) => h("tr", {},
+          h("td", {}, c.step), h("td", {}, c.kind), h("td", {}, fmtBytes(c.bytes)),
+          h("td", { class: "mono small sha" }, c.sha256), h("td", {}, c.attempt), h("td", { class: "small" }, fmtTime(c.created_at)),
+          h("td", {}, c.available
+            ? h("a", { href: `${jobPath(id)}/checkpoints/${c.id}/download${c.kind === "weights" ? "?kind=weights" : ""}`, download: "", class: "download" }, "Download")
+            : h("span", { class: "muted small" }, "pruned"))))))
+      : h("p", { class: "muted" }, "No checkpoint yet."));
+  }
+
+  async function refreshLog() {
+    if (logOffset == null) { // start at the tail of a long log
+      const end = await api(jobPath(id) + "/logs" + query({ offset: LOG_END, limit: 1 }));
+      logOffset = Math.max(0, end.size - LOG_TAIL);
+      if (logOffset > 0) parts.logs.append(`… (${fmtBytes(logOffset)} earlier)\n`);
+    }
+    for (let i = 0; i < 16; i++) {
+      const chunk = await api(jobPath(id) + "/logs" + query({ offset: logOffset, limit: LOG_TAIL }));
+      const atEnd = parts.logs.scrollTop + parts.logs.clientHeight >= parts.logs.scrollHeight - 4;
+      if (chunk.data) parts.logs.append(chunk.data);
+      if (parts.logs.textContent.length > LOG_KEEP) parts.logs.textContent = parts.logs.textContent.slice(-LOG_KEEP);
+      if (atEnd) parts.logs.scrollTop = parts.logs.scrollHeight; // following
+      logOffset = chunk.next_offset;
+      if (!chunk.data || chunk.next_offset >= chunk.size) break;
+    }
+  }
+
+  function confirmCancel() {
+    replace(dialog,
+      h("form", { method: "dialog" },
+        h("p", {}, "Cancel ", h("strong", {}, job.name), "? A running trainer checkpoints and stops."),
+        h("div", { class: "buttons" },
+          h("button", { value: "keep", id: "keep-running" }, "Keep running"),
+          h("button", { value: "cancel", class: "danger", id: "confirm" }, "Cancel job"))));
+    dialog.onclose = async () => {
+      if (dialog.returnValue !== "cancel") return;
+      try { await api(jobPath(id) + "/cancel", { method: "POST" }); } catch (e) { parts.head.append(h("span", { class: "error-text" }, e.message)); }
+      refreshJob();
+    };
+    dialog.showModal();
+  }
+
+  const quietly = (fn) => () => fn().catch(() => {});
+  const jobSoon = throttle(quietly(refreshJob), 500);
+  const logSoon = throttle(quietly(refreshLog), 1000);
+  const ckptSoon = throttle(quietly(refreshCheckpoints), 1000);
+  const progressSoon = throttle(quietly(refreshJob), 2000);
+  let logTimer = null;
+
+  function follow() {
+    es = stream(`${jobPath(id)}/events${query({ last_event_id: start })}`, {
+      metric: (m) => {
+        const chart = charts.get(metricGroups([m.name])[0].title);
+        if (!chart || !chart.append(id, m.name, m.step, m.value)) ensureCharts([...allNames(), m.name]);
+        logSoon();
+        progressSoon(); // progress moves with the curves; the stream does not carry it
+      },
+      state: () => { jobSoon(); logSoon(); },
+      checkpoint: () => ckptSoon(),
+      end: () => { stop(); refreshJob(); refreshCheckpoints(); refreshLog(); for (const c of charts.values()) c.load(); },
+    });
+    // What the stream does not carry: lines a trainer prints between metrics (data loading,
+    // warnings), and a queued job's pending reason.
+    logTimer = setInterval(() => (job.state === "queued" ? jobSoon() : logSoon()), 3000);
+  }
+  const allNames = () => [...charts.values()].flatMap((c) => c.sources.map((s) => s.name));
+
+  function stop() {
+    if (es) es.close();
+    es = null;
+    clearInterval(logTimer);
+  }
+
+  await refreshJob();
+  await Promise.all([refreshCheckpoints(), refreshLog()].map((p) => p.catch(() => {})));
+  if (!TERMINAL.has(job.state) && !closed) follow();
+  return () => {
+    closed = true;
+    stop();
+    jobSoon.cancel(); logSoon.cancel(); ckptSoon.cancel(); progressSoon.cancel();
+    for (const c of charts.values()) c.destroy();
+  };
+}

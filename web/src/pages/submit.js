@@ -1,0 +1,128 @@
+// Submit a spec: paste or upload JSON or YAML. The server's 422 problems are shown next to
+// the line of the field each names (the spec is parsed here with positions, so a field's
+// line is known in either format), and listed field by field.
+import { parseDocument, isMap, isSeq } from "yaml";
+import { ApiError, api } from "../api.js";
+import { h, link, replace } from "../dom.js";
+
+const EXAMPLE = `# A built-in model on a built-in data set (JSON works too)
+name: digits-mlp
+model: {name: mlp, hidden: [128]}
+data: {name: digits, val_fraction: 0.2}
+optimizer: {name: adam, lr: 0.003}
+batch_size: 64
+epochs: 12
+log_every_steps: 5
+`;
+
+function lineAt(text, offset) {
+  let line = 1;
+  for (let i = 0; i < offset && i < text.length; i++) if (text.charCodeAt(i) === 10) line++;
+  return line;
+}
+
+// The line of a dotted field ("optimizer.lr", "model.hidden.0"): its key's line, or the
+// nearest enclosing one that is there (a missing field is reported where it belongs).
+export function fieldLine(doc, text, field) {
+  const path = String(field).split(".").map((p) => (/^\d+$/.test(p) ? Number(p) : p));
+  for (let n = path.length; n > 0; n--) {
+    const parent = n === 1 ? doc.contents : doc.getIn(path.slice(0, n - 1), true);
+    const key = path[n - 1];
+    if (isMap(parent)) {
+      const pair = parent.items.find((p) => (p.key && (p.key.value ?? p.key.source)) === key);
+      if (pair && pair.key && pair.key.range) return lineAt(text, pair.key.range[0]);
+    } else if (isSeq(parent) && typeof key === "number" && parent.items[key] && parent.items[key].range) {
+      return lineAt(text, parent.items[key].range[0]);
+    }
+  }
+  return 1;
+}
+
+export function submitPage(root, { navigate }) {
+  const area = h("textarea", { id: "spec-text", spellcheck: "false", wrap: "off", placeholder: "paste a job spec (JSON or YAML)" });
+  area.value = EXAMPLE;
+  const gutter = h("div", { class: "gutter" });
+  const notes = h("div", { class: "notes" });
+  const problems = h("ul", { class: "problems", id: "problems" });
+  const result = h("div", { id: "submit-result" });
+  const file = h("input", { type: "file", accept: ".json,.yaml,.yml,application/json,text/yaml", id: "spec-file" });
+  const button = h("button", { class: "primary", id: "submit" }, "Submit");
+  replace(root,
+    h("div", { class: "toolbar" }, h("h2", {}, "Submit a job"), file, button),
+    h("div", { class: "editor" }, gutter, area, notes),
+    result, problems,
+    h("p", { class: "muted small" }, "Jobs that run your own code need their bundle uploaded first: ", h("code", {}, "torchyard submit SPEC --code DIR"), "."));
+
+  let marks = new Map(); // line -> [messages]
+  function renderGutter() {
+    const lines = area.value.split("\n").length;
+    replace(gutter, Array.from({ length: lines }, (_, i) => {
+      const bad = marks.get(i + 1);
+      return h("div", { class: bad ? "ln bad" : "ln", title: bad ? bad.join("\n") : null }, i + 1);
+    }));
+    replace(notes, [...marks].map(([line, msgs]) => {
+      const note = h("div", { class: "note", dataset: { line } }, msgs.join(" · "));
+      note.style.top = `${(line - 1) * 20 + 6}px`;
+      return note;
+    }));
+    syncScroll();
+  }
+  function syncScroll() {
+    gutter.scrollTop = area.scrollTop;
+    notes.style.transform = `translateY(${-area.scrollTop}px)`;
+  }
+  function show(list) { // [{field, message, line}]
+    marks = new Map();
+    for (const p of list) marks.set(p.line, [...(marks.get(p.line) || []), `${p.field}: ${p.message}`]);
+    renderGutter();
+    replace(problems, list.map((p) => h("li", { dataset: { field: p.field, line: p.line } },
+      h("button", { class: "link-button", onclick: () => goTo(p.line) }, `line ${p.line}`), " ",
+      h("code", { class: "field" }, p.field), " ", h("span", { class: "message" }, p.message))));
+  }
+  function goTo(line) {
+    const starts = [0];
+    for (let i = 0; i < area.value.length; i++) if (area.value[i] === "\n") starts.push(i + 1);
+    area.focus();
+    area.setSelectionRange(starts[line - 1] || 0, (starts[line] || area.value.length + 1) - 1);
+  }
+
+  async function submit() {
+    replace(result);
+    const text = area.value;
+    const doc = parseDocument(text, { prettyErrors: true, uniqueKeys: true });
+    if (doc.errors.length) {
+      show(doc.errors.map((e) => ({ field: "spec", message: e.message.split("\n")[0], line: e.linePos ? e.linePos[0].line : 1 })));
+      return;
+    }
+    const spec = doc.toJS();
+    button.disabled = true;
+    try {
+      const job = await api("/v1/jobs", { method: "POST", body: spec });
+      show([]);
+      replace(result, h("div", { class: "ok" }, "Submitted ", link(`/jobs/${job.id}`, job.name), " (", job.state, ")"),
+        job.warnings.length ? h("ul", { class: "warnings" }, job.warnings.map((w) => h("li", {}, h("code", {}, w.field), " ", w.message))) : null);
+      if (!job.warnings.length) navigate(`/jobs/${job.id}`);
+    } catch (e) {
+      if (!(e instanceof ApiError)) throw e;
+      const details = Array.isArray(e.details) ? e.details.filter((d) => d && d.field) : [];
+      if (details.length) show(details.map((d) => ({ field: d.field, message: d.message, line: fieldLine(doc, text, d.field) })));
+      else { show([]); replace(result, h("div", { class: "error" }, `${e.status}: ${e.message}`)); }
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  area.addEventListener("input", () => { if (marks.size) { marks = new Map(); replace(problems); } renderGutter(); });
+  area.addEventListener("scroll", syncScroll);
+  button.addEventListener("click", () => submit());
+  file.addEventListener("change", async () => {
+    const f = file.files && file.files[0];
+    if (!f) return;
+    area.value = await f.text();
+    marks = new Map();
+    replace(problems);
+    renderGutter();
+  });
+  renderGutter();
+  return null;
+}
