@@ -26,6 +26,13 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "$WANT" >"$STAMP"
 fi
 TY=.venv/bin/torchyard
+# The dashboard (served at / by the API); skipped, with a note, where there is no Node.
+if command -v npm >/dev/null 2>&1; then
+  echo "==> building the dashboard"
+  bash scripts/build_web.sh
+else
+  echo "==> no npm: the dashboard is not built (the API answers / with how to build it)"
+fi
 
 mkdir -p "$TORCHYARD_HOME"
 LOG="$TORCHYARD_HOME/up.log"

@@ -9,5 +9,21 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+# The dashboard's browser tests need Debian's chromium and Node (for the build); as root
+# they are installed when missing, else the tests say what is missing (and fail under CI).
+need=()
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "==> installing ${need[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "note: ${need[*]} missing: the dashboard's browser tests will not run" >&2
+  fi
+fi
+if command -v npm >/dev/null 2>&1; then
+  bash scripts/build_web.sh
+fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest "$@"

@@ -18,6 +18,13 @@ PG_ADMIN_URL = os.environ.get(
 )
 REDIS_HOST_PORT = os.environ.get("TORCHYARD_TEST_REDIS", "127.0.0.1:6379")
 
+# The suite never reads or writes the machine's own login file (`torchyard login`, `up`):
+# a test or a subprocess that runs the client finds no server there by accident. Tests of
+# the login file set their own path.
+os.environ["TORCHYARD_CONFIG"] = os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"torchyard-test-config-{os.getpid()}", "config.json"
+)
+
 
 def _reachable(host: str, port: int) -> bool:
     try:

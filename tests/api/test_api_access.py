@@ -40,7 +40,7 @@ def test_the_tables_cover_the_design_routes() -> None:
         "/healthz", "/readyz", "/metrics",
     ):  # fmt: skip
         assert p in paths
-    assert len(JOB_ROUTES) == 7
+    assert len(JOB_ROUTES) == 8  # the 7 above and the dashboard's stream-start
 
 
 BAD_AUTH = [None, "Bearer ty_not-a-real-token", "Basic YWxpY2U6eA==", "Bearer ", "ty_no-scheme"]

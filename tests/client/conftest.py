@@ -22,6 +22,17 @@ from torchyard.store.settings import Settings
 sqlite_template = client_server.sqlite_template  # the migrated schema, copied per test
 
 
+@pytest.fixture(autouse=True)
+def _own_login_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every client test looks up URL and token in a login file and a TORCHYARD_HOME of its
+    own, never the user's (nor a TORCHYARD_URL/TOKEN of the shell running the tests)."""
+    for name in ("TORCHYARD_URL", "TORCHYARD_TOKEN", "XDG_CONFIG_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHYARD_CONFIG", str(tmp_path / "login" / "config.json"))
+    monkeypatch.setenv("TORCHYARD_HOME", str(tmp_path / "client-home"))
+    return tmp_path / "login" / "config.json"
+
+
 @pytest.fixture
 def db_url(sqlite_template: Path, tmp_path: Path) -> Iterator[str]:
     with torchyard_testdb.sqlite_copy(sqlite_template, tmp_path) as url:

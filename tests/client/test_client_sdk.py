@@ -91,7 +91,7 @@ def test_submit_sends_bearer_token_and_idempotency_key(
 
 
 def test_resolve_config_order(tmp_path: Path) -> None:
-    env = {"TORCHYARD_HOME": str(tmp_path)}
+    env = {"TORCHYARD_HOME": str(tmp_path), "TORCHYARD_CONFIG": str(tmp_path / "none.json")}
     assert resolve_config(env=env) == ("http://127.0.0.1:8000", None)
     (tmp_path / "admin-token").write_text("ty_file\n")
     (tmp_path / "url").write_text("http://up.local:9000\n")

@@ -10,89 +10,19 @@ import io
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from torchyard.client import Client
+from up_server import JOB_S, Up
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
-READY_S = 120.0
-JOB_S = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Up:
-    home: Path
-    port: int
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-    runs: int = 0
-
-    @property
-    def log(self) -> Path:
-        return self.home / f"up-{self.runs}.out"
-
-    def start(self) -> None:
-        self.runs += 1
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torchyard", "up", "--workers", "2", "--port",
-                 str(self.port)],
-                cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        deadline = time.monotonic() + READY_S
-        while "torchyard is up" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"torchyard up did not start:\n{self.log.read_text()}")
-            time.sleep(0.2)
-
-    def stop(self) -> int | None:
-        """SIGTERM, as Ctrl-C would: workers hand their jobs back, then all stop."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"torchyard up did not stop on SIGTERM:\n{self.log.read_text()}")
-
-    def cli(self, *argv: str, timeout: float = JOB_S) -> subprocess.CompletedProcess[str]:
-        """`torchyard <argv>` as a user runs it: URL and token found through TORCHYARD_HOME."""
-        return subprocess.run(
-            [sys.executable, "-m", "torchyard", *argv],
-            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
-
-    def client(self) -> Client:
-        token = (self.home / "admin-token").read_text().strip()
-        return Client(f"http://127.0.0.1:{self.port}", token)
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    home = tmp_path_factory.mktemp("tyhome")
-    # Only this home's embedded defaults: no database, broker or storage from outside.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    env |= {"TORCHYARD_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    server = Up(home, _free_port(), env)
+    server = Up.in_temp(tmp_path_factory.mktemp("tyup"))
     server.start()
     yield server
     rc = server.stop()
@@ -144,6 +74,7 @@ def test_download_verifies_sha256_and_loads(up: Up, digits_job: str, tmp_path: P
     assert path.suffix == ".safetensors"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == weights[0]["sha256"]
     assert f"sha256 {weights[0]['sha256']} verified" in r.stdout and "load_file(" in r.stdout
+    assert "torchyard.load_model(" in r.stdout
     from safetensors.numpy import load_file  # no torch needed to check the tensors
 
     tensors = load_file(str(path))

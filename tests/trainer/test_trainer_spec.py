@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import REPO, make_spec, trainer_env, write_mnist, write_spec
+from trainer_testlib import REPO, make_spec, trainer_env, write_cifar, write_mnist, write_spec
 
 from torchyard.trainer import exitcodes
 from torchyard.trainer.spec import SpecError, missing_dataset_files, parse_spec, spec_to_dict
@@ -41,12 +41,12 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[tuple[str, str]]]] = [
                    "'imagefolder/<dir>' or 'module:function'")]),
     ("lr negative", _with("optimizer.lr", -0.1), [("optimizer.lr", "must be > 0.0")]),
     ("lr too large", _with("optimizer.lr", 100.0), [("optimizer.lr", "must be <= 10.0")]),
-    ("lr as a string", _with("optimizer.lr", "0.1"), [("optimizer.lr", "must be a number")]),
+    ("lr as a string", _with("optimizer.lr", "0.1"), [("optimizer.lr", 'must be a number, got "0.1" (a string)')]),
     ("lr NaN", _with("optimizer.lr", float("nan")), [("optimizer.lr", "must be a finite number")]),
     ("grad_clip infinite", _with("grad_clip", float("inf")), [("grad_clip", "must be a finite number")]),
     ("batch_size zero", _with("batch_size", 0), [("batch_size", "must be >= 1")]),
-    ("batch_size as a float", _with("batch_size", 64.0), [("batch_size", "must be an integer")]),
-    ("epochs as a string", _with("epochs", "5"), [("epochs", "must be an integer")]),
+    ("batch_size as a float", _with("batch_size", 64.0), [("batch_size", "must be an integer, got 64.0 (a number)")]),
+    ("epochs as a string", _with("epochs", "5"), [("epochs", 'must be an integer, got "5" (a string)')]),
     ("batch not divisible by world size", {**make_spec(), "batch_size": 63, "world_size": 2},
      [("batch_size", "must be divisible by world_size (2)")]),
     ("val_fraction 1", _with("data.val_fraction", 1.0), [("data.val_fraction", "must be < 1.0")]),
@@ -62,14 +62,14 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[tuple[str, str]]]] = [
     ("lenet on flat synthetic data", {**make_spec(), "model": {"name": "lenet"},
                                       "data": {"name": "synthetic", "shape": [64]}},
      [("data.shape", "model 'lenet' needs [channels, height, width]")]),
-    ("precision fp8", _with("precision", "fp8"), [("precision", "must be one of 'auto', 'fp32', 'fp16' or 'bf16'")]),
+    ("precision fp8", _with("precision", "fp8"), [("precision", "must be one of 'auto', 'fp32', 'fp16' or 'bf16', got \"fp8\" (a string)")]),
     ("keep_last zero", _with("checkpoint.keep_last", 0), [("checkpoint.keep_last", "must be >= 1")]),
-    ("checkpoint not an object", _with("checkpoint", 3), [("checkpoint", "must be an object")]),
+    ("checkpoint not an object", _with("checkpoint", 3), [("checkpoint", "must be an object, got 3 (a number)")]),
     ("name with a slash", _with("name", "a/b"),
      [("name", "may hold only letters, digits, spaces, '.', '_' and '-'")]),
-    ("compile as 1", _with("compile", 1), [("compile", "must be true or false")]),
+    ("compile as 1", _with("compile", 1), [("compile", "must be true or false, got 1 (a number)")]),
     ("unknown schedule", _with("schedule", {"name": "step"}),
-     [("schedule.name", "must be one of 'constant', 'cosine' or 'onecycle'")]),
+     [("schedule.name", "must be one of 'constant', 'cosine' or 'onecycle', got \"step\" (a string)")]),
     ("several problems at once", {"model": {"name": "mlp", "depth": 3}, "data": {"name": "digits"},
                                   "optimizer": {"name": "sgd", "lr": 0}, "epochs": 0},
      [("model.depth", "unknown field"), ("optimizer.lr", "must be > 0.0"), ("epochs", "must be >= 1")]),
@@ -110,7 +110,9 @@ def test_missing_dataset_files(tmp_path: Path) -> None:
     assert missing_dataset_files("digits", tmp_path) == []
     assert missing_dataset_files("synthetic", tmp_path) == []
     missing = missing_dataset_files("cifar10", tmp_path)
-    assert tmp_path / "cifar-10-batches-py/data_batch_1" in missing and len(missing) == 6
+    assert tmp_path / "cifar-10-batches-py/data_batch_1" in missing and len(missing) == 7
+    # torchvision's whole layout, as the README lists it: the batches and batches.meta
+    assert tmp_path / "cifar-10-batches-py/batches.meta" in missing
     assert len(missing_dataset_files("fashion_mnist", tmp_path)) == 4
     # gzipped idx files count as present
     write_mnist(tmp_path, n_train=10, n_test=10, gz=True)
@@ -174,3 +176,80 @@ def test_cli_refuses_a_batch_the_ranks_cannot_split(
     assert main(["--spec", str(ok), "--run-dir", str(tmp_path / "r")]) == exitcodes.BAD_SPEC
     assert "batch_size 64 must be divisible by world_size (3)" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_cifar10_needs_batches_meta_and_the_trainer_reads_the_batches_only(tmp_path: Path) -> None:
+    from torchyard.trainer.data import load_dataset
+
+    write_cifar(tmp_path, per_batch=4, n_test=3)
+    spec = parse_spec(make_spec() | {"data": {"name": "cifar10"}, "model": {"name": "lenet"}})
+    assert missing_dataset_files("cifar10", tmp_path) == []
+    ds = load_dataset(spec.data, tmp_path, seed=0)  # batches.meta is not read as a batch
+    assert (len(ds.train), len(ds.val)) == (20, 3)
+    (tmp_path / "cifar-10-batches-py/batches.meta").unlink()
+    assert missing_dataset_files("cifar10", tmp_path) == [
+        tmp_path / "cifar-10-batches-py/batches.meta"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        ("model.hiden", [64], "unknown field (did you mean 'hidden'?)"),
+        ("schedule.warmup", 10, "unknown field (did you mean 'warmup_steps'?)"),
+        ("checkpoint.every_epoch", 2, "unknown field (did you mean 'every_epochs'?)"),
+        ("batchsize", 64, "unknown field (did you mean 'batch_size'?)"),
+        ("lr", 0.1, "unknown field (did you mean 'optimizer.lr'?)"),  # a field of another section
+        ("learning_rate", 0.1, "unknown field"),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_field_says_which_was_meant(path: str, value: Any, expected: str) -> None:
+    spec = _with(path, value) | ({"schedule": {"warmup": 10}} if path == "schedule.warmup" else {})
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec)
+    assert err.value.problems == [(path, expected)]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        ("optimizer.lr", "1e-3", 'must be a number, got "1e-3" (a string)'),
+        ("seed", True, "must be an integer, got true (a boolean)"),
+        ("epochs", None, "must be an integer, got null"),
+        ("model.hidden", {"a": 1}, 'must be a list, got {"a": 1} (an object)'),
+        ("name", ["x" * 100], 'must be a string, got ["' + "x" * 57 + "… (a list)"),
+        # a union's members are one field, not `init.checkpoint.constrained-int`
+        ("init", {"from_job": "a" * 32, "checkpoint": 1.5}, None),
+    ],
+)
+def test_a_wrong_type_shows_the_value_received(path: str, value: Any, expected: str | None) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(_with(path, value))
+    if expected is None:
+        assert {f for f, _ in err.value.problems} == {"init.checkpoint"}
+        assert all("got 1.5 (a number)" in m for _, m in err.value.problems)
+    else:
+        assert err.value.problems == [(path, expected)]
+
+
+def test_training_set_sizes_are_the_trainers(tmp_path: Path) -> None:
+    """train_samples (what the submit warns with) is the size the trainer's split gives."""
+    from torchyard.trainer.data import load_dataset
+    from torchyard.trainer.spec import size_warnings, train_samples
+
+    write_mnist(tmp_path, n_train=30, n_test=10, gz=True)
+    cases = [
+        ({"name": "digits"}, 1438),
+        ({"name": "digits", "val_fraction": 0.5}, 899),  # round(898.5) is 898
+        ({"name": "synthetic", "size": 64, "shape": [4]}, 51),
+        ({"name": "mnist"}, 30),  # from the idx header in the data root
+    ]
+    for data, n in cases:
+        spec = parse_spec(make_spec() | {"data": data})
+        assert train_samples(spec.data, tmp_path) == n, data
+        assert len(load_dataset(spec.data, tmp_path, seed=0).train) == n, data
+    spec = parse_spec(make_spec() | {"data": {"name": "mnist"}})
+    assert train_samples(spec.data) == 60_000  # the official count without the files
+    assert size_warnings(parse_spec(make_spec() | {"batch_size": 1438})) == []
+    [(field, message)] = size_warnings(parse_spec(make_spec() | {"batch_size": 1440}))
+    assert field == "batch_size" and "training set's 1438 samples" in message

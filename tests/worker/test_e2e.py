@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from sklearn.datasets import load_digits
 from sqlalchemy import select
 from worker_cluster import (
     BACKENDS,
@@ -30,6 +31,8 @@ from worker_cluster import (
     trainer_pid,
     wait_for,
 )
+
+import torchyard
 
 pytestmark = pytest.mark.e2e
 
@@ -64,7 +67,22 @@ def cluster(
     yield from backend_cluster(request, tmp_path_factory, schedulers=2)
 
 
-def test_digits_job_trains_and_its_checkpoint_downloads(cluster: Cluster) -> None:
+def _downloaded_weights_load_and_score(c: Cluster, job: dict, tmp: Path) -> None:
+    """The final weights, downloaded, come back as a model with torchyard.load_model that
+    takes digits' raw 0..16 values and scores on the whole set at least the job's own
+    val/accuracy."""
+    r = c.http.get(f"/v1/jobs/{job['id']}/checkpoints/latest/download", params={"kind": "weights"})
+    assert r.status_code == 200, r.text
+    (tmp / "model.safetensors").write_bytes(r.content)
+    model = torchyard.load_model(tmp / "model.safetensors")
+    digits = load_digits()
+    with torch.no_grad():
+        pred = model(torch.from_numpy(digits.images[:, None])).argmax(1).numpy()
+    accuracy = float((pred == digits.target).mean())
+    assert accuracy >= job["latest_metrics"]["val/accuracy"]["value"], accuracy
+
+
+def test_digits_job_trains_and_its_checkpoint_downloads(cluster: Cluster, tmp_path: Path) -> None:
     c = cluster
     job = c.submit(DIGITS)
     assert job["state"] == "queued"
@@ -86,6 +104,7 @@ def test_digits_job_trains_and_its_checkpoint_downloads(cluster: Cluster) -> Non
     assert r.headers.get("etag", "").strip('"') == digest
     state = torch.load(io.BytesIO(r.content), weights_only=True, map_location="cpu")
     assert isinstance(state, dict) and state
+    _downloaded_weights_load_and_score(c, done, tmp_path)
     log = c.job_log(job["id"])
     assert "attempt 1, rank 0/1" in log
 

@@ -431,6 +431,9 @@ def test_the_policy_matches_the_plain_reference(workers: list, jobs: list) -> No
     )  # fmt: skip
     queued = [QueuedJob(f"j{i:02d}", n, now - timedelta(seconds=age), 1, None)
               for i, (n, age) in enumerate(jobs)]  # fmt: skip
+    # plan() orders the queue itself (priority, fair share, age); the reference walks it
+    # in that order, which with one user and one priority is age.
+    queued.sort(key=lambda j: (j.created_at, j.id))
     live: dict = {}
     for w in free:
         live[kind_of(w.device, w.device_name)] = live.get(kind_of(w.device, w.device_name), 0) + 1

@@ -318,20 +318,30 @@ def checkpointed_and_running(c: Cluster, job_id: str, min_step: int) -> bool:
 
 
 def backend_cluster(
-    request: Any, tmp_path_factory: Any, *, workers: int = 2, schedulers: int = 1
+    request: Any,
+    tmp_path_factory: Any,
+    *,
+    workers: int = 2,
+    schedulers: int = 1,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """The body of a module-scoped `cluster` fixture parametrised by backend: "embedded"
     (SQLite + the filesystem broker) or "redis-postgres" (a fresh PostgreSQL database on
     the shared server, dropped after, and Redis)."""
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "embedded":
-        c = Cluster(tmp)
+        c = Cluster(tmp, extra_env=extra_env)
     else:
         from worker_factories import drop_pg_databases, new_pg_database
 
         make = new_pg_database(request.getfixturevalue("pg_url"))
         request.addfinalizer(lambda: drop_pg_databases(make))
-        c = Cluster(tmp, database_url=make(), broker_url=request.getfixturevalue("redis_url"))
+        c = Cluster(
+            tmp,
+            database_url=make(),
+            broker_url=request.getfixturevalue("redis_url"),
+            extra_env=extra_env,
+        )
     try:
         yield c.start(workers=workers, schedulers=schedulers)
     finally:

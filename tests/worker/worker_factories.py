@@ -85,15 +85,18 @@ def make_job(
     state: str = "queued",
     spec: dict[str, Any] | None = None,
     name: str = "job",
+    owner: str = "alice",
+    preemptible: bool = True,
 ) -> Job:
     spec = dict(spec or DIGITS_SPEC)
     spec["world_size"] = world_size
     job = Job(
-        owner_id=make_user(s).id,
+        owner_id=make_user(s, owner).id,
         name=name,
         spec=spec,
         world_size=world_size,
         priority=priority,
+        preemptible=preemptible,
         max_restarts=max_restarts,
         state=state,
         created_at=utcnow() - timedelta(seconds=age_s),

@@ -1,0 +1,108 @@
+"""Sweeps end to end with real processes (`torchyard api`, a scheduler running the sweep
+controller, two CPU workers) on the embedded defaults and on PostgreSQL + Redis: ASHA
+prunes a trial through the cancel path (its checkpoint kept) and the best trial is
+reported; a sweep cancelled midway leaves no trial running and starts no new one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
+
+from torchyard.client.sdk import Client
+from torchyard.store.models import Job, JobEvent
+
+pytestmark = pytest.mark.e2e
+
+# Digits with a wide MLP: ~0.3 s an epoch on one CPU thread, long enough after its first
+# evaluation (step 90) for the controller (a 2 s tick) to prune it while it runs.
+SPEC: dict[str, Any] = {
+    "model": {"name": "mlp", "hidden": [1024, 1024]},
+    "data": {"name": "digits"},
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "batch_size": 16,
+    "epochs": 14,
+    "checkpoint": {"every_epochs": 1, "keep_last": 1},
+}
+# Seed 3 walks the grid as 1e-4, 0.05, 1e-5: trial 0 completes (ASHA learns its step range
+# from it), trial 1 is first at every rung, trial 2 (val/accuracy ~0.1 after one epoch,
+# against trial 1's ~0.95) is pruned at its first evaluation.
+ASHA: dict[str, Any] = {
+    "name": "asha-e2e",
+    "spec": SPEC,
+    "space": {"optimizer.lr": {"type": "categorical", "choices": [0.05, 0.0001, 0.00001]}},
+    "objective": {"metric": "val/accuracy", "mode": "max"},
+    "trials": 3,
+    "parallel": 1,
+    "sampler": "grid",
+    "pruner": "asha",
+    "seed": 3,
+}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    yield from backend_cluster(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def sdk(cluster: Cluster) -> Iterator[Client]:
+    with Client(url=cluster.url, token=cluster.token) as client:
+        yield client
+
+
+def wait_sweep(sdk: Client, sweep_id: str, timeout: float) -> dict[str, Any]:
+    def ended() -> dict[str, Any] | None:
+        s = sdk.get_sweep(sweep_id)
+        return s if s["state"] != "running" and s["counts"]["running"] == 0 else None
+
+    return wait_for(ended, timeout, f"sweep {sweep_id} to end", every=0.5)
+
+
+def test_asha_prunes_a_trial_and_reports_the_best(cluster: Cluster, sdk: Client) -> None:
+    sweep = wait_sweep(sdk, sdk.create_sweep(ASHA)["id"], timeout=180)
+    trials = sweep["trials"]
+    assert [t["params"]["optimizer.lr"] for t in trials] == [0.0001, 0.05, 0.00001]
+    assert [(t["status"], t["state"]) for t in trials] == [
+        ("complete", "succeeded"), ("complete", "succeeded"), ("pruned", "cancelled")
+    ], [cluster.job(t["job_id"])["error"] for t in trials]  # fmt: skip
+    assert sweep["state"] == "succeeded" and sweep["counts"]["pruned"] == 1
+    best = trials[1]
+    assert sweep["best"] == {k: best[k] for k in ("number", "job_id", "params", "value")}
+    assert best["value"] > 0.9 and best["step"] == 14 * 90
+    pruned = trials[2]
+    assert pruned["pruned"] and pruned["step"] < 14 * 90
+    assert cluster.get(f"/v1/jobs/{pruned['job_id']}/checkpoints")["items"], "checkpoint kept"
+    with cluster.session() as s:
+        reasons = s.scalars(select(JobEvent.data).where(JobEvent.job_id == pruned["job_id"]))
+        assert any(d.get("to") == "cancelling" and d.get("reason") == "pruned" for d in reasons)
+
+
+def test_a_cancelled_sweep_leaves_no_trial_running_and_starts_none(
+    cluster: Cluster, sdk: Client
+) -> None:
+    body = {**ASHA, "name": "cancel-e2e", "sampler": "random", "pruner": "none", "trials": 6,
+            "parallel": 2, "spec": {**SPEC, "epochs": 200}}  # fmt: skip
+    sweep_id = sdk.create_sweep(body)["id"]
+
+    def started() -> bool:
+        trials = sdk.get_sweep(sweep_id)["trials"]
+        return len(trials) == 2 and any(t["state"] == "running" for t in trials)
+
+    wait_for(started, 60, "two trials, one running", every=0.2)
+    assert sdk.cancel_sweep(sweep_id)["state"] == "cancelled"
+    sweep = wait_sweep(sdk, sweep_id, timeout=60)
+    time.sleep(2.5)  # another tick of the controller: nothing new may start
+    with cluster.session() as s:
+        jobs = s.scalars(select(Job.state).where(Job.sweep_id == sweep_id)).all()
+    assert sorted(jobs) == ["cancelled", "cancelled"]
+    sweep = sdk.get_sweep(sweep_id)
+    assert sweep["state"] == "cancelled" and len(sweep["trials"]) == 2
+    assert {t["status"] for t in sweep["trials"]} == {"failed"}
+    assert sweep["best"] is None
