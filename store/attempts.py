@@ -234,7 +234,8 @@ def _open_assignments(session: Session, worker_id: str, *where: Any) -> list[tup
 
 def lose_worker_assignments(session: Session, worker_id: str, reason: str) -> list[str]:
     """End, as lost, every active attempt that has a rank on `worker_id` (whose process is
-    gone). Returns the ids of the jobs affected."""
+    gone), or handed back if it was being preempted (lose_attempt). Returns the ids of the
+    jobs affected."""
     jobs = []
     for attempt_id, job_id in _open_assignments(session, worker_id):
         session.execute(
@@ -243,9 +244,20 @@ def lose_worker_assignments(session: Session, worker_id: str, reason: str) -> li
             .values(ended_at=utcnow())
             .execution_options(synchronize_session=False)
         )
-        if finish_attempt(session, attempt_id, A_LOST, reason=reason) is not None:
+        if lose_attempt(session, attempt_id, reason) is not None:
             jobs.append(job_id)
     return jobs
+
+
+def lose_attempt(session: Session, attempt_id: int, reason: str) -> str | None:
+    """End an attempt nobody supervises any more: lost (counted against max_restarts), or
+    handed back if the scheduler was preempting it, since the pool asked it to stop and its
+    worker dying on the way is not the job's fault. Returns finish_attempt's answer."""
+    by = session.scalar(select(Attempt.preempted_by).where(Attempt.id == attempt_id))
+    if by is None:
+        return finish_attempt(session, attempt_id, A_LOST, reason=reason)
+    why = f"{reason} while preempted by job {by}"
+    return finish_attempt(session, attempt_id, A_HANDED_BACK, reason=why)
 
 
 def hand_back_unclaimed(session: Session, worker_id: str, reason: str) -> list[str]:

@@ -16,10 +16,10 @@ from sqlalchemy.orm import Session
 
 from torchyard.store.attempts import (
     A_HANDED_BACK,
-    A_LOST,
     ATTEMPT_ACTIVE,
     finish_attempt,
     hand_back_unclaimed,
+    lose_attempt,
     lose_worker_assignments,
     unclaimed_since,
 )
@@ -179,7 +179,7 @@ def lose_unsupervised_attempts(session: Session) -> list[str]:
     jobs = []
     for attempt_id, job_id, wid in rows:
         why = f"worker {wid} stopped supervising it without recording its end"
-        if finish_attempt(session, attempt_id, A_LOST, reason=why) is not None:
+        if lose_attempt(session, attempt_id, why) is not None:
             jobs.append(job_id)
     return jobs
 

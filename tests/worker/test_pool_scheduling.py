@@ -14,12 +14,13 @@ from worker_factories import make_job, make_user, make_worker
 from torchyard.scheduler import preemption
 from torchyard.scheduler.cycle import PoolPolicy, schedule
 from torchyard.scheduler.policy import Pools
-from torchyard.store.attempts import A_HANDED_BACK, finish_attempt
+from torchyard.store.attempts import A_HANDED_BACK, counted_failures, finish_attempt
 from torchyard.store.models import Attempt, Job, JobEvent, Worker, utcnow
 from torchyard.store.pool import RunningGang
 from torchyard.store.queue import FreeWorker, QueuedJob
 from torchyard.store.states import RUNNING, transition
 from torchyard.store.usage import usage_by_user
+from torchyard.store.workers import reap_stale_workers
 
 TIMEOUT = 10.0
 HOUR = 3600.0
@@ -162,6 +163,33 @@ def test_preemption_stops_the_newest_lowest_and_hands_the_workers_over(
     assert (new_low.state, new_low.attempt) == ("queued", 2)
     assert new_low.pending_reason == f"preempted by job {urgent.id}; resumes from its checkpoint"
     assert run_pass(s, preempt_after_s=5) == [urgent.id]
+
+
+def test_a_victim_whose_worker_dies_while_stopping_is_handed_back_not_counted(
+    session: Session,
+) -> None:
+    s = session
+    make_worker(s, "w1")
+    low = make_job(s, owner="bob", priority=-1, age_s=300)
+    running(s, low, started_ago_s=200)
+    urgent = make_job(s, owner="alice", priority=5, age_s=10)
+    s.commit()
+    run_pass(s, preempt_after_s=5)
+    victim = s.scalars(select(Attempt).where(Attempt.job_id == low.id)).one()
+    s.refresh(victim)
+    assert victim.preempted_by == urgent.id
+    # The worker goes silent before its trainer has exited; the reaper ends the attempt.
+    w = s.get(Worker, "w1")
+    w.last_heartbeat = utcnow() - timedelta(seconds=600)
+    s.commit()
+    assert reap_stale_workers(s, timeout_s=60) == [("w1", [low.id])]
+    s.commit()
+    s.refresh(victim)
+    s.refresh(low)
+    assert victim.state == A_HANDED_BACK
+    assert "lost (no heartbeat for 60s) while preempted by job" in (victim.reason or "")
+    assert (low.state, low.attempt, counted_failures(s, low.id)) == ("queued", 2, 0)
+    assert low.pending_reason == f"preempted by job {urgent.id}; resumes from its checkpoint"
 
 
 def test_equal_priority_and_non_preemptible_jobs_are_never_preempted(session: Session) -> None:
