@@ -35,6 +35,7 @@ from torchyard.api.routers import (
 )
 from torchyard.store.db import make_engine
 from torchyard.store.inventory import job_counts, worker_counts
+from torchyard.store.paths import LOG_FILE, job_dir
 from torchyard.store.settings import Settings, get_settings
 from torchyard.trainer.spec import JobSpec
 
@@ -136,7 +137,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.feed_poll_s = FEED_POLL_S
     # One store poller per followed job for all its SSE followers (read lazily: tests swap
     # the read sessions).
-    app.state.feed_hub = FeedHub(lambda: app.state.read_sessions)
+    app.state.feed_hub = FeedHub(
+        lambda: app.state.read_sessions,
+        log_file=lambda job_id: job_dir(settings.storage, job_id) / LOG_FILE,
+    )
     registry = CollectorRegistry()
     registry.register(_StoreCollector(app))
     app.state.prometheus = registry

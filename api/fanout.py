@@ -7,6 +7,12 @@ poller or the others, and costs no memory beyond its position. One that falls ou
 ring (or connects with a Last-Event-ID older than it) reads the store itself until it is
 back inside the ring. The poller starts with the first follower of a job and stops when
 the last one leaves. Each uvicorn worker process has its own hub.
+
+Besides the items, each tick reads what has no row id to resume from: a queued job's
+pending reason (with its state, in the same statement) and the size of its log file (one
+stat). When either changes, every follower gets one `status` event without an `id:` (a
+reconnect resumes after the last real item and gets the current status again), so a page
+can follow the log and the pending reason without polling.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import ServerSentEvent
@@ -77,6 +85,27 @@ def read_page(factory: sessionmaker[Session], job_id: str, cursor: FeedCursor) -
         return poll(session, job_id, cursor)
 
 
+def _file_size(path: Path | None) -> int:
+    try:
+        return os.stat(path).st_size if path is not None else 0
+    except OSError:  # not written yet (a queued job), or storage briefly unreachable
+        return 0
+
+
+def read_tick(
+    factory: sessionmaker[Session], job_id: str, cursor: FeedCursor, log_file: Path | None
+) -> tuple[FeedPage, int]:
+    """The poller's read: the next page, then the log's size (after the page, so a log
+    line written before a metric the page holds is counted)."""
+    page = read_page(factory, job_id, cursor)
+    return page, _file_size(log_file)
+
+
+def status_frame(pending_reason: str | None, log_size: int) -> bytes:
+    data = json.dumps({"pending_reason": pending_reason, "log_size": log_size})
+    return ServerSentEvent(data, event="status", sep=SEP).encode()
+
+
 @dataclass
 class JobFeed:
     """One followed job: its poller's ring of (item, pre-encoded frame)."""
@@ -92,11 +121,22 @@ class JobFeed:
     ended: bool = False
     error: BaseException | None = None
     task: asyncio.Task[None] | None = None
+    status: tuple[str | None, int] | None = None  # (pending reason, log size) last read
+    status_seq: int = 0  # bumped on each change; followers compare with theirs
+    status_bytes: bytes = b""
     _tick: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def next_seq(self) -> int:
         return self.first_seq + len(self.ring)
+
+    def set_status(self, pending_reason: str | None, log_size: int) -> None:
+        if self.status == (pending_reason, log_size):
+            return
+        self.status = (pending_reason, log_size)
+        self.status_seq += 1
+        self.status_bytes = status_frame(pending_reason, log_size)
+        self.wake()
 
     def publish(self, page: FeedPage) -> None:
         for item in page.items:
@@ -121,9 +161,15 @@ class JobFeed:
 class FeedHub:
     """The job feeds of this process, by job id."""
 
-    def __init__(self, factory: Callable[[], sessionmaker[Session]], ring_items: int = RING_ITEMS):
+    def __init__(
+        self,
+        factory: Callable[[], sessionmaker[Session]],
+        ring_items: int = RING_ITEMS,
+        log_file: Callable[[str], Path] | None = None,
+    ):
         self._factory = factory  # read lazily: tests swap the app's sessions
         self.ring_items = ring_items
+        self._log_file = log_file  # a job's log path (None: no status events)
         self.feeds: dict[str, JobFeed] = {}
         self.polls = 0  # store polls by pollers (one per tick per followed job)
         self.catch_ups = 0  # store polls by followers outside the ring
@@ -165,7 +211,8 @@ class FeedHub:
         await asyncio.gather(*tasks, return_exceptions=True)
         self.feeds.clear()
 
-    async def _poll(self, feed: JobFeed) -> FeedPage:
+    async def _poll(self, feed: JobFeed) -> tuple[FeedPage, int]:
+        log_file = self._log_file(feed.job_id) if self._log_file is not None else None
         async for attempt in AsyncRetrying(
             stop=stop_after_attempt(POLL_ATTEMPTS),
             wait=wait_exponential(multiplier=0.25, max=4),
@@ -173,13 +220,17 @@ class FeedHub:
         ):
             with attempt:
                 self.polls += 1
-                return await run_in_threadpool(read_page, self._factory(), feed.job_id, feed.head)
+                return await run_in_threadpool(
+                    read_tick, self._factory(), feed.job_id, feed.head, log_file
+                )
         raise AssertionError("unreachable")  # reraise=True: the last error is raised
 
     async def _run(self, feed: JobFeed) -> None:
         try:
             while not feed.ended:
-                page = await self._poll(feed)
+                page, log_size = await self._poll(feed)
+                if self._log_file is not None:
+                    feed.set_status(page.pending_reason, log_size)
                 feed.publish(page)
                 if not page.more and not feed.ended:
                     await asyncio.sleep(feed.poll_s)
@@ -198,10 +249,13 @@ class FeedHub:
             self._leave(feed)
 
     async def _follow(self, feed: JobFeed, cursor: FeedCursor) -> AsyncIterator[bytes]:
-        pos = feed.first_seq
+        pos, status_seen = feed.first_seq, 0
         while True:
             if feed.error is not None:
                 raise feed.error
+            if feed.status_seq != status_seen:
+                status_seen = feed.status_seq
+                yield feed.status_bytes
             if not _covers(cursor, feed.base):  # behind the ring: read the store itself
                 self.catch_ups += 1
                 page = await run_in_threadpool(read_page, self._factory(), feed.job_id, cursor)

@@ -1,6 +1,8 @@
 """The jobs table's live stream: one poller per API process (however many tables are
 open) asks the store which jobs changed (store/uijobs.py: `changes_since`) and tells each
-follower about the ones it may see; the page then reloads the rows it shows.
+follower about the ones it may see; the page then reloads the rows it shows. The same tick
+reads the workers' fingerprint (`workers_fingerprint`) and sends a `workers` event when a
+worker registers, is lost or stops, or takes or ends a job: the workers page reloads on it.
 
 A follower that falls behind loses nothing that matters: any `changes` event makes it
 reload its whole page, so while one is queued, more are dropped. The poller starts with
@@ -16,13 +18,19 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from torchyard.store.jobs import Viewer
-from torchyard.store.uijobs import ChangeState, changes_since, changes_start
+from torchyard.store.uijobs import (
+    ChangeState,
+    changes_since,
+    changes_start,
+    workers_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +42,28 @@ RETRY_S = 2.0  # after a store error
 @dataclass(eq=False)
 class _Follower:
     viewer: Viewer
-    queue: asyncio.Queue[list[str]] = field(default_factory=lambda: asyncio.Queue(QUEUE_ITEMS))
+    queue: asyncio.Queue[tuple[str, dict[str, Any]]] = field(
+        default_factory=lambda: asyncio.Queue(QUEUE_ITEMS)
+    )
 
     def tell(self, changed: dict[str, int]) -> None:
         mine = [j for j, owner in changed.items() if self.viewer.is_admin or owner == self.viewer.user_id]  # fmt: skip
         if mine and not self.queue.full():
-            self.queue.put_nowait(mine[:MAX_IDS])
+            self.queue.put_nowait(("changes", {"jobs": mine[:MAX_IDS]}))
+
+    def tell_workers(self) -> None:
+        if not self.queue.full():  # a queued event already makes the page reload
+            self.queue.put_nowait(("workers", {}))
 
 
-def _start(factory: sessionmaker[Session]) -> ChangeState:
+def _start(factory: sessionmaker[Session]) -> tuple[ChangeState, int]:
     with factory() as session:
-        return changes_start(session)
+        return changes_start(session), workers_fingerprint(session)
 
 
-def _changes(factory: sessionmaker[Session], state: ChangeState) -> dict[str, int]:
+def _changes(factory: sessionmaker[Session], state: ChangeState) -> tuple[dict[str, int], int]:
     with factory() as session:
-        return changes_since(session, state, time.monotonic())
+        return changes_since(session, state, time.monotonic()), workers_fingerprint(session)
 
 
 class JobChanges:
@@ -63,7 +77,8 @@ class JobChanges:
         self._task: asyncio.Task[None] | None = None
 
     async def follow(self, viewer: Viewer) -> AsyncIterator[bytes]:
-        """`changes` events (`{"jobs": [ids]}`) for the jobs `viewer` may see."""
+        """`changes` events (`{"jobs": [ids]}`) for the jobs `viewer` may see, and `workers`
+        events (`{}`) when the workers changed."""
         follower = _Follower(viewer)
         self.followers.add(follower)
         if self._task is None or self._task.done():
@@ -71,9 +86,9 @@ class JobChanges:
         try:
             yield ServerSentEvent(retry=2000, sep="\n").encode()
             while True:
-                ids = await follower.queue.get()
-                data = json.dumps({"jobs": ids}, separators=(",", ":"))
-                yield ServerSentEvent(data, event="changes", sep="\n").encode()
+                event, body = await follower.queue.get()
+                data = json.dumps(body, separators=(",", ":"))
+                yield ServerSentEvent(data, event=event, sep="\n").encode()
         finally:
             self.followers.discard(follower)
             if not self.followers and self._task is not None:
@@ -82,15 +97,19 @@ class JobChanges:
 
     async def _run(self) -> None:
         state: ChangeState | None = None
+        workers = 0
         while self.followers:
             try:
                 if state is None:
-                    state = await run_in_threadpool(_start, self._factory())
+                    state, workers = await run_in_threadpool(_start, self._factory())
                 else:
                     self.polls += 1
-                    changed = await run_in_threadpool(_changes, self._factory(), state)
+                    changed, now = await run_in_threadpool(_changes, self._factory(), state)
+                    moved, workers = now != workers, now
                     for follower in list(self.followers):
                         follower.tell(changed)
+                        if moved:
+                            follower.tell_workers()
             except Exception as e:  # the store is down: the streams stay open and wait
                 log.warning("jobs table feed: store error: %s", e)
                 await asyncio.sleep(RETRY_S)

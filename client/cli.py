@@ -599,7 +599,8 @@ class _Follower:
     """--follow, fed by GET /v1/jobs/{id}/events: state lines as the job moves, a live
     progress line from the metric events. The job itself (progress totals, ETA, pending
     reason) is read on each state change and at most once per `refresh_s` while metrics
-    flow, never polled on a timer."""
+    flow, never polled on a timer; a queued job's new pending reasons come as `status`
+    events."""
 
     def __init__(self, client: Client, job_id: str, status: render.Status, refresh_s: float):
         self.client, self.job_id, self.status, self.refresh_s = client, job_id, status, refresh_s
@@ -621,6 +622,8 @@ class _Follower:
                 self.on_state(ev.data)
             elif ev.event == "metric":
                 self.on_metric(ev.data)
+            elif ev.event == "status":
+                self.on_status(ev.data)
             elif ev.event == "end":
                 self.state = ev.data.get("state") or self.state
         self.refresh(strict=False)
@@ -650,6 +653,14 @@ class _Follower:
             self.status.message(_state_line(shown))
             self.said = now_said
         self.draw()
+
+    def on_status(self, data: dict) -> None:
+        """A queued job's pending reason changed (the scheduler's view of why it waits)."""
+        reason = data.get("pending_reason")
+        if self.state != "queued" or not reason or reason == self.job.get("pending_reason"):
+            return
+        self.job["pending_reason"] = reason
+        self.status.message(_state_line({**self.job, "state": self.state}))
 
     def on_metric(self, data: dict) -> None:
         name, step, value = data.get("name"), int(data.get("step", 0)), data.get("value")

@@ -58,6 +58,7 @@ class FeedPage:
     items: list[FeedItem]
     cursor: FeedCursor
     more: bool  # a source had more rows than the page could hold
+    pending_reason: str | None = None  # why a queued job waits (read with the state)
 
     @property
     def finished(self) -> bool:
@@ -105,7 +106,8 @@ def poll(session: Session, job_id: str, cursor: FeedCursor, limit: int = 500) ->
     (so the final state comes after the last points it follows)."""
     # Read the state first: if it is terminal, everything the worker wrote before it
     # is already committed and will be seen by the queries below.
-    state = session.scalar(select(Job.state).where(Job.id == job_id))
+    head = session.execute(select(Job.state, Job.pending_reason).where(Job.id == job_id)).first()
+    state, pending = (head[0], head[1]) if head is not None else (None, None)
     items: list[FeedItem] = []
     cur = cursor
 
@@ -138,4 +140,4 @@ def poll(session: Session, job_id: str, cursor: FeedCursor, limit: int = 500) ->
     # Skipped non-state events advance `cursor` but no item: a resumed stream reads
     # and skips them again, which is harmless.
     more = limit in (len(metrics), len(checkpoints), len(events))
-    return FeedPage(state=state, items=items, cursor=cur, more=more)
+    return FeedPage(state=state, items=items, cursor=cur, more=more, pending_reason=pending)

@@ -19,7 +19,16 @@ from sqlalchemy.orm import Session
 from torchyard.store.feed import FeedCursor
 from torchyard.store.jobs import Viewer
 from torchyard.store.metrics import metric_names
-from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, JobEvent, Metric, User
+from torchyard.store.models import (
+    Assignment,
+    Attempt,
+    Checkpoint,
+    Job,
+    JobEvent,
+    Metric,
+    User,
+    Worker,
+)
 from torchyard.store.states import CANCELLING, RUNNING, STARTING
 
 TABLE_METRICS = ("train/loss", "val/accuracy")
@@ -128,6 +137,15 @@ def _running_workers(session: Session, ids: list[str]) -> dict[str, list[str]]:
 
 
 # --- changes -------------------------------------------------------------------------------
+
+
+def workers_fingerprint(session: Session) -> int:
+    """What the workers page shows apart from heartbeat ages (which workers there are, their
+    state and job), as one number: a change means the page should reload."""
+    rows = session.execute(
+        select(Worker.id, Worker.state, Worker.current_job_id).order_by(Worker.id)
+    ).all()
+    return hash(tuple(tuple(r) for r in rows))
 
 
 @dataclass

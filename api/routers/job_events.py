@@ -35,8 +35,11 @@ def _visible(factory: sessionmaker[Session], user: Principal, job_id: str) -> bo
         "A `text/event-stream` of `state` (job state changes, from the first `queued`), "
         "`metric` (each new point: name, step, epoch, value, time) and `checkpoint` events "
         "(id, step, epoch, kind, bytes, sha256, attempt, created_at), each with an `id:`; "
-        "reconnect with `Last-Event-ID` (or `?last_event_id=`) to resume after it. The stream "
-        "ends with an `end` event once the job has ended and everything was sent."
+        "reconnect with `Last-Event-ID` (or `?last_event_id=`) to resume after it. A "
+        "`status` event (`pending_reason`, `log_size` in bytes; no `id:`) comes first and "
+        "again whenever either changes, so a follower knows when to read more of the log "
+        "(`GET /v1/jobs/{id}/logs`). The stream ends with an `end` event once the job has "
+        "ended and everything was sent."
     ),
     responses={
         200: {"content": {"text/event-stream": {}}, "description": "the event stream"},

@@ -38,9 +38,10 @@ def test_followers_share_one_store_poll_per_tick(app: FastAPI, db_url: str) -> N
     app.state.feed_poll_s = 0.05
     r = asyncio.run(follow_bench.measure(app, db_url, followers, rate, seconds))
     assert r.fed == 40
-    # every follower saw every event: 4 states (queued, starting, running, succeeded),
-    # each point, then `end`, with the same ids in the same order
-    assert r.received == [{"state": 4, "metric": 40, "end": 1}] * followers
+    # every follower saw every event: its status (no log, no pending reason: one), 4
+    # states (queued, starting, running, succeeded), each point, then `end`, with the
+    # same ids in the same order
+    assert r.received == [{"status": 1, "state": 4, "metric": 40, "end": 1}] * followers
     assert r.sequences == 1
     # while streaming: one store poll per poller tick in all, not one per follower (a
     # poll in flight when counting started can add one)

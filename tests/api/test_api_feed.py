@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -12,6 +13,8 @@ from torchyard_testdb import Factory
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import session_scope
 from torchyard.store.metrics import ingest_metrics
+from torchyard.store.paths import LOG_FILE, job_dir
+from torchyard.store.settings import Settings
 
 
 def _points(name: str, steps: range, f: Any = lambda k: 1.0 / (k + 1)) -> list[dict[str, Any]]:
@@ -79,7 +82,10 @@ def test_event_stream_of_a_finished_job_and_resume(
     factory.set_state(job, "succeeded")
     r = client.get(f"/v1/jobs/{job}/events", headers=alice)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    events = _events(r.text)
+    status, *events = _events(r.text)
+    # first what has no id: no pending reason, no log file
+    assert status["event"] == "status" and "id" not in status
+    assert status["data"] == {"pending_reason": None, "log_size": 0}
     kinds = [e["event"] for e in events]
     assert kinds.count("metric") == 3 and kinds.count("checkpoint") == 1
     states = [e["data"]["state"] for e in events if e["event"] == "state"]
@@ -97,9 +103,10 @@ def test_event_stream_of_a_finished_job_and_resume(
     ids = [e["id"] for e in events]
     assert len(set(ids[:-1])) == len(ids) - 1  # each event its own id
     # resume after the second event: exactly the rest comes again
-    resumed = _events(
+    status, *resumed = _events(
         client.get(f"/v1/jobs/{job}/events", headers=alice | {"Last-Event-ID": ids[1]}).text
     )
+    assert status["event"] == "status"
     assert [e["id"] for e in resumed] == ids[2:]
     bad = client.get(f"/v1/jobs/{job}/events", headers=alice | {"Last-Event-ID": "x"})
     assert bad.status_code == 422
@@ -131,6 +138,39 @@ def test_event_stream_follows_a_running_job(
     assert done.wait(10)
     assert [e["data"]["step"] for e in seen if e["event"] == "metric"] == [0, 1, 2, 3, 4]
     assert [e["event"] for e in seen][-2:] == ["state", "end"]
+
+
+def test_status_events_follow_the_pending_reason_and_the_log(
+    client: TestClient, factory: Factory, alice: dict[str, str], db_url: str, settings: Settings
+) -> None:
+    job = factory.job("alice", state="queued")
+    log = job_dir(settings.storage, job) / LOG_FILE
+    steps: list[Callable[[], None]] = [
+        lambda: factory.set_pending(job, "needs 2 workers, 1 idle"),
+        lambda: (log.parent.mkdir(parents=True, exist_ok=True), log.write_text("loading\n")),
+        lambda: log.write_text("loading\nready\n"),
+        lambda: factory.set_state(job, "cancelled"),
+    ]
+    seen: list[dict[str, Any]] = []
+    with client.stream("GET", f"/v1/jobs/{job}/events", headers=alice) as r:
+        buf = ""
+        for chunk in r.iter_text():
+            buf += chunk
+            seen = _events(buf)
+            statuses = [e for e in seen if e["event"] == "status"]
+            # each change is its own event: the next one only once this one was seen
+            if steps and len(statuses) == 5 - len(steps):
+                steps.pop(0)()
+    statuses = [e["data"] for e in seen if e["event"] == "status"]
+    assert statuses == [
+        {"pending_reason": None, "log_size": 0},
+        {"pending_reason": "needs 2 workers, 1 idle", "log_size": 0},
+        {"pending_reason": "needs 2 workers, 1 idle", "log_size": 8},
+        {"pending_reason": "needs 2 workers, 1 idle", "log_size": 14},
+        {"pending_reason": None, "log_size": 14},  # cancelled: no reason to wait any more
+    ]
+    assert all("id" not in e for e in seen if e["event"] == "status")
+    assert seen[-1]["event"] == "end"
 
 
 def test_workers_list(client: TestClient, factory: Factory, alice: dict[str, str]) -> None:

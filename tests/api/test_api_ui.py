@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 from torchyard_testdb import Factory
 
 from torchyard.api.deps import CSRF_HEADER, SESSION_COOKIE
 from torchyard.api.routers.ui import CSP
 from torchyard.store.db import session_scope
 from torchyard.store.metrics import ingest_metrics
-from torchyard.store.models import ApiToken, utcnow
+from torchyard.store.models import ApiToken, Worker, utcnow
 from torchyard.store.uijobs import changes_since, changes_start
 from torchyard.store.uisessions import create_login_link, token_id_for
 
@@ -245,6 +246,34 @@ def test_changes_stream_tells_each_user_their_own(
                 break
     data = buf.split("event: changes", 1)[1].split("data: ", 1)[1].split("\n", 1)[0]
     assert len(made) == 2 and data == '{"jobs":["' + made[1] + '"]}'  # bob's was not told
+
+
+def test_changes_stream_tells_when_workers_change_but_not_on_heartbeats(
+    client: TestClient, alice: dict[str, str], factory: Factory, db_url: str
+) -> None:
+    wid = factory.worker("w-1")
+    told: list[str] = []
+
+    def cluster() -> None:
+        time.sleep(0.3)
+        for _ in range(3):  # heartbeats alone: nothing the page would show differently
+            with session_scope(db_url) as s:
+                s.execute(update(Worker).where(Worker.id == wid).values(last_heartbeat=utcnow()))
+            time.sleep(0.1)
+        told.append("heartbeats")
+        told.append("lost")  # before the commit: an event can only follow it
+        with session_scope(db_url) as s:
+            s.execute(update(Worker).where(Worker.id == wid).values(state="lost"))
+
+    with client.stream("GET", "/v1/ui/jobs/changes", headers=alice) as r:
+        threading.Thread(target=cluster, daemon=True).start()
+        buf = ""
+        for chunk in r.iter_text():
+            buf += chunk
+            if "event: workers" in buf:
+                break
+    assert told == ["heartbeats", "lost"]  # the event came after the loss, not before
+    assert "event: workers\ndata: {}" in buf
 
 
 def test_stream_start_skips_history(

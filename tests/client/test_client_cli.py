@@ -7,6 +7,8 @@ import csv
 import hashlib
 import io
 import json
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,7 +93,7 @@ def test_follow_resumes_where_the_stream_broke(
     with httpx.Client(base_url="http://ty.test", transport=recorder) as h:
         job_id = Client(token=token, http=h).submit(SPEC)["id"]
         store.run(job_id)
-        recorder.cut_events = 9  # of 13: 6 metrics, a checkpoint, 4 states, `end`
+        recorder.cut_events = 9  # of 14: status, 6 metrics, a checkpoint, 4 states, `end`
         rc = main(["status", job_id, "--follow", "--token", token], http=h)
     err = capsys.readouterr().err
     assert rc == 0, err
@@ -100,6 +102,35 @@ def test_follow_resumes_where_the_stream_broke(
     assert "API unreachable, retrying" in err and f"job {job_id} succeeded" in err
     streams = [r for r in recorder.requests if r.url.path.endswith("/events")]
     assert len(streams) == 2 and "Last-Event-ID" in streams[1].headers
+
+
+def test_follow_shows_each_new_pending_reason_of_a_queued_job(
+    http: TestClient, token: str, store: Store, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recorder = Recorder(http._transport)
+    with httpx.Client(base_url="http://ty.test", transport=recorder) as h:
+        job_id = Client(token=token, http=h).submit(SPEC)["id"]
+        store.set_pending(job_id, "needs 1 worker, 0 idle")
+
+        def scheduler() -> None:  # once the follower listens: a new reason, then the run
+            while not any(r.url.path.endswith("/events") for r in recorder.requests):
+                time.sleep(0.01)
+            time.sleep(0.3)
+            store.set_pending(job_id, "fair share: bob has used less")
+            time.sleep(0.3)
+            store.run(job_id)
+
+        t = threading.Thread(target=scheduler, daemon=True)
+        t.start()
+        rc = main(["status", job_id, "--follow", "--token", token], http=h)
+        t.join(10)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    queued = [ln for ln in err.splitlines() if ln.startswith(f"{job_id[:12]} queued")]
+    assert queued == [
+        f"{job_id[:12]} queued: needs 1 worker, 0 idle",
+        f"{job_id[:12]} queued: fair share: bob has used less",
+    ]
 
 
 def test_rejected_spec_is_one_line_and_exit_2(run: Run, tmp_path: Path) -> None:

@@ -225,7 +225,8 @@ def test_stream_events_follows_a_live_job_and_resumes_after_a_drop(
     streams = [r for r in recorder.requests if r.url.path.endswith("/events")]
     assert len(streams) == 2 and "Last-Event-ID" not in streams[0].headers
     assert streams[1].headers["Last-Event-ID"] in [e.id for e in seen]
-    ids = [e.id for e in seen if e.event != "end"]  # `end` repeats the last position
+    # `end` repeats the last position; `status` events carry none
+    ids = [e.id for e in seen if e.event not in ("end", "status")]
     assert len(ids) == len(set(ids))  # nothing seen twice
     states = [e.data["state"] for e in seen if e.event == "state"]
     assert states == ["queued", "starting", "running", "succeeded"]
@@ -238,9 +239,10 @@ def test_stream_events_gives_up_after_reconnect_for_s(rec: tuple[Client, Recorde
     ty, recorder = rec
     ty.reconnect_delay_s = 0.02
     jid = ty.submit(SPEC)["id"]
-    recorder.cut_events = 1  # the `queued` event, then the server is gone
+    recorder.cut_events = 2  # the status and `queued` events, then the server is gone
     retries: list[errors.TorchyardError] = []
     events = ty.stream_events(jid, reconnect_for_s=0.3, on_retry=retries.append)
+    assert next(events).event == "status"
     assert next(events).data["state"] == "queued"
     recorder.down = True
     with pytest.raises(errors.ConnectError, match="connection refused"):

@@ -171,6 +171,13 @@ class Factory:
             s.add(Worker(id=wid, last_heartbeat=utcnow(), **fields))
         return wid
 
+    def set_pending(self, job_id: str, reason: str) -> None:
+        """What a scheduling pass writes about a job it could not place."""
+        with session_scope(self.url) as s:
+            job = s.get(Job, job_id)
+            assert job is not None
+            job.pending_reason = reason
+
     def set_state(self, job_id: str, to: str, **fields: Any) -> None:
         with session_scope(self.url) as s:
             job = s.get(Job, job_id)

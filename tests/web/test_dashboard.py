@@ -1,5 +1,6 @@
 """The dashboard in a real browser against a real API process (no workers: jobs are put
-where each test needs them, and curves are written straight into the store)."""
+where each test needs them, and curves are written straight into the store), on SQLite and
+on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -62,9 +63,20 @@ def _seed(w: World) -> None:
     log.write_text(f"epoch 1\n{XSS}\nlast line\n")
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    c = Cluster(tmp_path_factory.mktemp("dashboard"))
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def world(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[World]:
+    url = None
+    if request.param == "postgres":  # a fresh database on the shared server, dropped after
+        from worker_factories import drop_pg_databases, new_pg_database
+
+        make = new_pg_database(request.getfixturevalue("pg_url"))
+        request.addfinalizer(lambda: drop_pg_databases(make))
+        url = make()
+    c = Cluster(tmp_path_factory.mktemp(f"dashboard-{request.param}"), database_url=url)
     try:
         start_api(c)
         w = World(c)

@@ -1,6 +1,8 @@
 """The dashboard watching real training: an API, a scheduler and a CPU worker as their own
-processes; the page follows a running job (curves and log, live through its event
-stream), cancels it, and downloads a finished job's checkpoint with its sha256."""
+processes, on the embedded defaults and on PostgreSQL + Redis; the page follows a running
+job (curves, log and pending reason, live through its event stream, with no timer),
+compares runs while they train, cancels a job, and downloads a finished job's checkpoint
+with its sha256."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 
 import pytest
 from dashboard_lib import login, token_for
-from worker_cluster import Cluster, wait_for
+from worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
@@ -38,13 +40,11 @@ SHORT: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("dashboard-live"))
-    try:
-        yield c.start(workers=1)
-    finally:
-        c.stop()
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    yield from backend_cluster(request, tmp_path_factory, workers=1)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,10 @@ def test_follows_a_running_job_then_cancels_it(
     )
     assert all("max_points=" in u for u in metric_requests)  # never the raw history
     page.wait_for_function("() => document.querySelector('#log').textContent.length > 0")
+    shown = page.evaluate("() => document.querySelector('#log').textContent.length")
+    page.wait_for_function(  # the log follows the trainer (told by the stream's status)
+        f"() => document.querySelector('#log').textContent.length > {shown}", timeout=30_000
+    )
     assert page.evaluate("() => window.__same_page") == 1
     progress = page.inner_text(".info .progress")
     assert "/40000" in progress and "ETA" in progress  # 400 epochs of 100 steps
@@ -95,6 +99,47 @@ def test_follows_a_running_job_then_cancels_it(
     attempts = page.inner_text("#attempts")
     assert "cancelled" in attempts
     assert cluster.job(job)["state"] == "cancelled"
+
+
+def test_pending_reason_and_compare_follow_the_stream_without_polling(
+    cluster: Cluster, alice: str, new_page: Callable[[], Any]
+) -> None:
+    admin = {"Authorization": f"Bearer {cluster.token}"}
+    running = _submit(cluster, alice, LONG | {"name": "busy-run"})
+    cluster.wait_state(running, "running", timeout=60)
+    queued = _submit(cluster, alice, SHORT | {"name": "waiting-run"})  # the one worker is busy
+    try:
+        page = new_page()
+        login(page, cluster.url, alice, f"/jobs/{queued}")
+        page.wait_for_selector("#pending")
+        assert "quota" not in page.inner_text("#pending")
+        reads: list[str] = []
+        page.on("request", lambda r: f"/v1/jobs/{queued}" in r.url and reads.append(r.url))
+        page.wait_for_timeout(4000)  # nothing changes: nothing is read
+        assert [u for u in reads if not u.split("?")[0].endswith("/events")] == []
+        r = cluster.http.put("/v1/users/alice/quota", json={"max_workers": 1}, headers=admin)
+        assert r.status_code == 200, r.text
+        page.wait_for_function(
+            "() => (document.querySelector('#pending') || {}).textContent?.startsWith('quota:')",
+            timeout=30_000,
+        )
+        # Compare a running job: its curve and row are re-read as it trains.
+        cmp = new_page()
+        login(cmp, cluster.url, alice, f"/compare?jobs={running}&metric=train/loss")
+        cmp.wait_for_selector("#compare-chart[data-ready='1']")
+        loads = int(cmp.get_attribute("#compare-chart", "data-loads") or 0)
+        cmp.wait_for_function(
+            f"() => +document.querySelector('#compare-chart').dataset.loads > {loads}",
+            timeout=30_000,
+        )
+    finally:
+        cluster.http.put("/v1/users/alice/quota", json={"max_workers": None}, headers=admin)
+        for job in (running, queued):
+            cluster.http.post(
+                f"/v1/jobs/{job}/cancel", headers={"Authorization": f"Bearer {alice}"}
+            )
+        for job in (running, queued):
+            cluster.wait_state(job, "cancelled", timeout=60)
 
 
 def test_checkpoint_download_and_workers(

@@ -1,9 +1,13 @@
 // Several runs, one metric overlaid: jobs picked in the table (?jobs=a,b,c) or every trial
 // of a sweep (?sweep=ID). Each is named by its name and the parameters in which the runs
-// differ.
-import { api, jobPath, query } from "../api.js";
+// differ. Live while any run is: the jobs stream names the runs that changed, and the
+// page re-reads those rows and the chart (at most every 2 s).
+import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color } from "../chart.js";
-import { fmtNum, h, link, replace, stateBadge } from "../dom.js";
+import { fmtNum, h, link, replace, stateBadge, throttle } from "../dom.js";
+
+const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+const MAX_IDS = 100; // a changes event names at most this many jobs (api/ui_feed.py)
 
 function flatten(obj, prefix = "", out = {}) {
   for (const [k, v] of Object.entries(obj || {})) {
@@ -54,21 +58,55 @@ export async function comparePage(root, { search, navigate }) {
     navigate("/compare" + query(q));
   } }, names.map((n) => h("option", { value: n, selected: n === metric }, n)));
   const chartEl = h("div", { class: "chart", id: "compare-chart" });
+  const row = (r, i) => {
+    const swatch = h("span", { class: "swatch" });
+    swatch.style.background = color(i);
+    const last = r.job.latest_metrics[metric];
+    return h("tr", { dataset: { id: r.id } }, h("td", {}, swatch), h("td", {}, link(`/jobs/${r.id}`, r.name)), h("td", {}, stateBadge(r.job.state)),
+      h("td", { class: "small mono" }, diffs[i].join(", ") || "–"), h("td", { class: "num" }, fmtNum(last && last.value)));
+  };
+  const tbody = h("tbody", {}, runs.map(row));
   replace(root,
     h("div", { class: "toolbar" }, h("h2", {}, sweep ? `Sweep ${sweep.slice(0, 12)}` : `${runs.length} runs`), h("label", {}, "metric ", select)),
     missing.length ? h("p", { class: "error" }, `Not found: ${missing.join(", ")}`) : null,
     chartEl,
     h("table", { id: "runs" },
       h("thead", {}, h("tr", {}, ["", "run", "state", "differs in", metric || ""].map((t) => h("th", {}, t)))),
-      h("tbody", {}, runs.map((r, i) => {
-        const swatch = h("span", { class: "swatch" });
-        swatch.style.background = color(i);
-        const last = r.job.latest_metrics[metric];
-        return h("tr", {}, h("td", {}, swatch), h("td", {}, link(`/jobs/${r.id}`, r.name)), h("td", {}, stateBadge(r.job.state)),
-          h("td", { class: "small mono" }, diffs[i].join(", ") || "–"), h("td", { class: "num" }, fmtNum(last && last.value)));
-      }))));
+      tbody));
   if (!metric) { replace(chartEl, h("p", { class: "muted" }, "These runs have no metrics yet.")); return null; }
   const chart = new MetricChart(chartEl, { title: metric, sources: runs.map((r, i) => ({ job: r.id, name: metric, label: r.label, color: color(i) })) });
   await chart.load();
-  return () => chart.destroy();
+  const stop = followRuns(runs, async (ids) => {
+    await Promise.all(ids.map(async (id) => {
+      const i = runs.findIndex((r) => r.id === id);
+      runs[i].job = await api(jobPath(id));
+      tbody.children[i].replaceWith(row(runs[i], i));
+    }));
+    await chart.load();
+  });
+  return () => { stop(); chart.destroy(); };
+}
+
+// Calls `refresh(ids)` (at most every 2 s) with the runs that changed, until none is live.
+function followRuns(runs, refresh) {
+  const live = new Set(runs.filter((r) => !TERMINAL.has(r.job.state)).map((r) => r.id));
+  if (!live.size) return () => {};
+  const changed = new Set();
+  let es = null;
+  const soon = throttle(() => {
+    const ids = [...changed];
+    changed.clear();
+    refresh(ids).then(() => {
+      for (const r of runs) if (TERMINAL.has(r.job.state)) live.delete(r.id);
+      if (!live.size && es) { es.close(); es = null; }
+    }).catch(() => {});
+  }, 2000);
+  es = stream("/v1/ui/jobs/changes", {
+    changes: ({ jobs }) => {
+      // A full event may have left some out: then any live run may have changed.
+      for (const id of jobs.length >= MAX_IDS ? live : jobs) if (live.has(id)) changed.add(id);
+      if (changed.size) soon();
+    },
+  });
+  return () => { if (es) es.close(); soon.cancel(); };
 }

@@ -109,7 +109,19 @@ export async function jobPage(root, { params }) {
       : h("p", { class: "muted" }, "No checkpoint yet."));
   }
 
+  // One read of the log at a time (two would append the same bytes twice); a call that
+  // comes meanwhile reads again after it.
+  let logBusy = false, logAgain = false;
   async function refreshLog() {
+    if (logBusy) { logAgain = true; return; }
+    logBusy = true;
+    try { await readLog(); } finally {
+      logBusy = false;
+      if (logAgain && !closed) { logAgain = false; logSoon(); }
+    }
+  }
+
+  async function readLog() {
     if (logOffset == null) { // start at the tail of a long log
       const end = await api(jobPath(id) + "/logs" + query({ offset: LOG_END, limit: 1 }));
       logOffset = Math.max(0, end.size - LOG_TAIL);
@@ -146,30 +158,29 @@ export async function jobPage(root, { params }) {
   const logSoon = throttle(quietly(refreshLog), 1000);
   const ckptSoon = throttle(quietly(refreshCheckpoints), 1000);
   const progressSoon = throttle(quietly(refreshJob), 2000);
-  let logTimer = null;
 
   function follow() {
     es = stream(`${jobPath(id)}/events${query({ last_event_id: start })}`, {
       metric: (m) => {
         const chart = charts.get(metricGroups([m.name])[0].title);
         if (!chart || !chart.append(id, m.name, m.step, m.value)) ensureCharts([...allNames(), m.name]);
-        logSoon();
         progressSoon(); // progress moves with the curves; the stream does not carry it
       },
-      state: () => { jobSoon(); logSoon(); },
+      state: () => jobSoon(),
       checkpoint: () => ckptSoon(),
+      // What has no event of its own: the log grew, or the scheduler's reason changed.
+      status: (s) => {
+        if (logOffset != null && s.log_size > logOffset) logSoon();
+        if (job && (s.pending_reason || null) !== (job.pending_reason || null)) jobSoon();
+      },
       end: () => { stop(); refreshJob(); refreshCheckpoints(); refreshLog(); for (const c of charts.values()) c.load(); },
     });
-    // What the stream does not carry: lines a trainer prints between metrics (data loading,
-    // warnings), and a queued job's pending reason.
-    logTimer = setInterval(() => (job.state === "queued" ? jobSoon() : logSoon()), 3000);
   }
   const allNames = () => [...charts.values()].flatMap((c) => c.sources.map((s) => s.name));
 
   function stop() {
     if (es) es.close();
     es = null;
-    clearInterval(logTimer);
   }
 
   await refreshJob();

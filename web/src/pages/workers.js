@@ -1,6 +1,8 @@
-// The workers: host, device, state, current job and heartbeat age. Reloaded when the jobs
-// stream reports a change (jobs starting and ending move workers) and every 10 s; the ages
-// tick in between, on the server's clock.
+// The workers: host, device, state, current job and heartbeat age. Reloaded when the
+// stream reports that workers changed (one registered, was lost or stopped, took or ended
+// a job). Heartbeats are not events (a busy cluster beats many times a second), so the
+// list is also re-read every 10 s for fresh ages; the ages tick in between, on the
+// server's clock.
 import { api, serverNow, stream } from "../api.js";
 import { fmtAge, fmtBytes, h, link, replace, stateBadge, throttle } from "../dom.js";
 
@@ -33,7 +35,7 @@ export function workersPage(root) {
     for (const td of tbody.querySelectorAll("td.age")) td.textContent = fmtAge((serverNow() - Date.parse(td.dataset.t)) / 1000) + " ago";
   }
   const reload = throttle(() => load().catch(() => {}), 1000);
-  const es = stream("/v1/ui/jobs/changes", { changes: reload });
+  const es = stream("/v1/ui/jobs/changes", { workers: reload });
   const timers = [setInterval(ages, 1000), setInterval(reload, 10_000)];
   load();
   return () => { es.close(); timers.forEach(clearInterval); reload.cancel(); };
