@@ -62,10 +62,42 @@ def new_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Callable[
         return page
 
     yield make
-    shots = os.environ.get("TORCHYARD_WEB_SCREENSHOTS")  # a folder: keep each page's last view
+    folder = screenshots(request.config)
     for i, ctx in enumerate(contexts):
-        for j, page in enumerate(ctx.pages if shots else []):
+        for j, page in enumerate(ctx.pages):
             name = f"{request.node.name}-{i}-{j}.png".replace("/", "_")
-            page.screenshot(path=os.path.join(shots, name), full_page=True)
+            page.screenshot(path=str(folder / name))
         ctx.close()
     assert not errors, f"script errors in the page: {errors}"
+
+
+@pytest.fixture
+def shot(request: pytest.FixtureRequest) -> Callable[[Any, str], None]:
+    """shot(page, name): keep the page as it looks now as `<name>-<backend>.png` (the
+    README's pictures in docs/images/ are these)."""
+    folder = screenshots(request.config)
+    backend = request.node.callspec.id if hasattr(request.node, "callspec") else "any"
+
+    def take(page: Any, name: str) -> None:
+        page.screenshot(path=str(folder / f"{name}-{backend}.png"))
+
+    return take
+
+
+def screenshots(config: pytest.Config) -> Path:
+    """Where each test's pages leave their last view: $TORCHYARD_WEB_SCREENSHOTS, else a
+    folder in pytest's temporary directory (printed at the end of the run)."""
+    folder = getattr(config, "_torchyard_shots", None)
+    if folder is None:
+        env = os.environ.get("TORCHYARD_WEB_SCREENSHOTS")
+        tmp = config._tmp_path_factory  # type: ignore[attr-defined]
+        folder = Path(env) if env else tmp.getbasetemp() / "screenshots"
+        folder.mkdir(parents=True, exist_ok=True)
+        config._torchyard_shots = folder  # type: ignore[attr-defined]
+    return folder
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    folder = getattr(config, "_torchyard_shots", None)
+    if folder is not None:
+        terminalreporter.write_line(f"dashboard screenshots: {folder}")

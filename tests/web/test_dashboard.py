@@ -98,10 +98,13 @@ def _no_secrets_kept(page: Any) -> None:
     assert cookies[0]["httpOnly"] and cookies[0]["sameSite"] == "Strict"
 
 
-def test_login_with_a_token_and_log_out(world: World, new_page: Callable[[], Any]) -> None:
+def test_login_with_a_token_and_log_out(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
     page = new_page()
     page.goto(world.base + "/jobs/" + world.jobs["million"])
     page.wait_for_url("**/login")
+    shot(page, "login")
     page.fill("#token", "ty_wrong")
     page.click("button[type=submit]")
     page.wait_for_selector("#login-error:not([hidden])")
@@ -147,10 +150,13 @@ def test_login_through_the_one_time_url(
     assert "expired or was already used" in again.inner_text("#login-error")
 
 
-def test_table_updates_live_and_filters(world: World, new_page: Callable[[], Any]) -> None:
+def test_table_updates_live_and_filters(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
     page = new_page()
     login(page, world.base, world.alice)
     page.wait_for_selector("#live:text('live')")
+    shot(page, "jobs")
     page.evaluate("() => { window.__same_page = 1 }")
     alice = world.as_user(world.alice)
     r = alice.post("/v1/jobs", json={**SPEC, "name": "live-one"})
@@ -201,7 +207,7 @@ def _spike_pixels(page: Any) -> dict[str, Any]:
 
 
 def test_chart_band_keeps_the_spike_and_zoom_loads_finer_points(
-    world: World, new_page: Callable[[], Any]
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
 ) -> None:
     page = new_page()
     login(page, world.base, world.alice)
@@ -216,6 +222,7 @@ def test_chart_band_keeps_the_spike_and_zoom_loads_finer_points(
     assert over["points"] <= 4000 and over["max"] == spike and over["yMax"] >= spike
     assert 0 <= over["step"] - SPIKE_AT < 2 * N // over["points"]  # the spike's bucket
     assert over["inside"] and over["painted"] >= 3, over
+    shot(page, "million-point-job")
     # Drag around the spike: the server sends that range's finer points.
     box = page.locator(f"{chart} .u-over").bounding_box()
     x_of = lambda step: box["x"] + box["width"] * step / N  # noqa: E731
@@ -245,7 +252,7 @@ def test_chart_band_keeps_the_spike_and_zoom_loads_finer_points(
 
 
 def test_compare_overlays_runs_named_by_their_differences(
-    world: World, new_page: Callable[[], Any]
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
 ) -> None:
     page = new_page()
     login(page, world.base, world.alice, "/?q=cmp-")
@@ -270,10 +277,11 @@ def test_compare_overlays_runs_named_by_their_differences(
     )
     assert sorted(sources) == sorted(world.jobs[f"cmp-{i}"] for i in range(3))
     assert page.input_value("#metric") == "val/accuracy"
+    shot(page, "compare")
 
 
 def test_submit_shows_the_servers_problems_field_by_field(
-    world: World, new_page: Callable[[], Any]
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
 ) -> None:
     page = new_page()
     login(page, world.base, world.alice, "/submit")
@@ -292,6 +300,7 @@ def test_submit_shows_the_servers_problems_field_by_field(
         ".note", "els => els.map(e => [e.dataset.line, e.textContent])"
     )
     assert ["7", "optimizer.lr: must be > 0.0"] in notes
+    shot(page, "submit")
     page.fill("#spec-text", '{"name": "from-the-page", "model": {"name": "mlp"}, "data": {"name": "digits"}, "optimizer": {"name": "sgd", "lr": 0.1}}')  # fmt: skip
     page.click("#submit")
     page.wait_for_selector("#job-name:text('from-the-page')")

@@ -62,8 +62,26 @@ def _points(page: Any) -> int:
     return int(page.get_attribute(".chart[data-group='loss']", "data-points") or 0)
 
 
+def _canvas(page: Any) -> dict[str, int]:
+    """The loss chart's plot area as drawn: how many pixels are painted (not background)
+    and a hash of all of them."""
+    return page.evaluate(
+        """() => {
+        const u = document.querySelector('.chart[data-group="loss"]').__chart.u;
+        const {left, top, width, height} = u.bbox;
+        const px = u.ctx.getImageData(left, top, width, height).data;
+        let painted = 0, hash = 0;
+        for (let i = 0; i < px.length; i += 4) {
+            if (px[i + 3] > 0 && !(px[i] > 245 && px[i + 1] > 245 && px[i + 2] > 245)) painted++;
+            hash = (Math.imul(hash, 31) + px[i] + 7 * px[i + 1] + 13 * px[i + 2] + 17 * px[i + 3]) | 0;
+        }
+        return {painted, hash};
+    }"""
+    )
+
+
 def test_follows_a_running_job_then_cancels_it(
-    cluster: Cluster, alice: str, new_page: Callable[[], Any]
+    cluster: Cluster, alice: str, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
 ) -> None:
     job = _submit(cluster, alice, LONG)
     page = new_page()
@@ -73,7 +91,7 @@ def test_follows_a_running_job_then_cancels_it(
     page.wait_for_selector("#job-state .state-running", timeout=60_000)
     page.wait_for_selector(".chart[data-group='loss'][data-ready='1']", timeout=30_000)
     page.evaluate("() => { window.__same_page = 1 }")
-    before = _points(page)
+    before, pixels = _points(page), _canvas(page)
     # New points arrive through the stream and are drawn as they come (appended, not
     # queried: a new curve, val/loss at the first epoch's end, is the only reload).
     page.wait_for_function(
@@ -82,6 +100,8 @@ def test_follows_a_running_job_then_cancels_it(
         timeout=30_000,
     )
     assert all("max_points=" in u for u in metric_requests)  # never the raw history
+    later = _canvas(page)  # the curve visibly moved: other pixels painted than before
+    assert later["painted"] > 0 and later["hash"] != pixels["hash"]
     page.wait_for_function("() => document.querySelector('#log').textContent.length > 0")
     shown = page.evaluate("() => document.querySelector('#log').textContent.length")
     page.wait_for_function(  # the log follows the trainer (told by the stream's status)
@@ -93,6 +113,7 @@ def test_follows_a_running_job_then_cancels_it(
     page.wait_for_function(  # and it moves, live
         f"() => document.querySelector('.info .progress').textContent !== {progress!r}"
     )
+    shot(page, "running-job")
     page.click("#cancel")
     page.click("#confirm")
     page.wait_for_selector("#job-state .state-cancelled", timeout=60_000)
@@ -143,7 +164,11 @@ def test_pending_reason_and_compare_follow_the_stream_without_polling(
 
 
 def test_checkpoint_download_and_workers(
-    cluster: Cluster, alice: str, new_page: Callable[[], Any], tmp_path: Path
+    cluster: Cluster,
+    alice: str,
+    new_page: Callable[[], Any],
+    tmp_path: Path,
+    shot: Callable[[Any, str], None],
 ) -> None:
     job = _submit(cluster, alice, SHORT)
     cluster.wait_state(job, "succeeded", timeout=120)
@@ -166,3 +191,4 @@ def test_checkpoint_download_and_workers(
         "a heartbeat age",
     )
     assert "CPU" in page.inner_text("#workers tbody tr[data-id='w0']")
+    shot(page, "workers")
