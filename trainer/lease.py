@@ -55,8 +55,10 @@ def lease_age(path: str) -> float:
         return math.inf  # the worker removed it: nobody vouches any more
 
 
-def watch_lease(stop: StopFlag) -> threading.Thread | None:
-    """Start the watcher thread when the worker set a lease (None otherwise)."""
+def watch_lease(stop: StopFlag, done: threading.Event | None = None) -> threading.Thread | None:
+    """Start the watcher thread when the worker set a lease (None otherwise). It watches
+    for the life of the process unless `done` is set: a process that outlives the trainer
+    (a test calling this in-process) must end it, or a stale lease kills that process."""
     path = os.environ.get(ENV_FILE)
     if not path:
         return None
@@ -66,7 +68,7 @@ def watch_lease(stop: StopFlag) -> threading.Thread | None:
     every = min(0.1, stop_s / 4)
 
     def watch() -> None:
-        while True:
+        while done is None or not done.is_set():
             age = lease_age(path)
             if age > kill_s:
                 print(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -37,15 +38,23 @@ def test_a_stale_lease_sets_the_stop_flag(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv("TORCHYARD_LEASE_FILE", str(lease))
     monkeypatch.setenv("TORCHYARD_LEASE_STOP_S", "0.3")
     monkeypatch.setenv("TORCHYARD_LEASE_KILL_S", "1000")
-    stop = StopFlag()
-    watch_lease(stop)
-    deadline = time.monotonic() + 0.2
-    while time.monotonic() < deadline:  # kept fresh: no stop
-        os.utime(lease)
-        time.sleep(0.02)
-    assert stop.signal is None
-    time.sleep(0.6)
-    assert stop.signal == LEASE_SIGNAL
+    stop, done = StopFlag(), threading.Event()
+    # In this process the watcher must end with the test: left running, the lease it
+    # watches goes stale and, KILL_S later, it ends pytest itself with exit code 75.
+    watcher = watch_lease(stop, done)
+    assert watcher is not None
+    try:
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:  # kept fresh: no stop
+            os.utime(lease)
+            time.sleep(0.02)
+        assert stop.signal is None
+        time.sleep(0.6)
+        assert stop.signal == LEASE_SIGNAL
+    finally:
+        done.set()
+        watcher.join(5)
+    assert not watcher.is_alive()
 
 
 @pytest.mark.e2e
