@@ -16,11 +16,21 @@ sizes 1, 2, 4, 8; priorities 0-2), then measures, in this process:
    worker's claim and fork are not included (dispatch_bench measures them on a real
    worker). p50 / p95.
 Goals: a pass <= 100 ms; dispatch p50 <= 50 ms.
+
+The fill pass is run old against new, alternating, on the same data: "old" is main's write
+path (copied below and patched in for its passes: arrays in psycopg's text format,
+attempts, assignments and the workers' claim as three statements) on main's schema (a copy
+of the database downgraded to migration 0008: no fillfactor on `jobs`, the indexes 0009
+dropped); "new" is the code and schema as they are. Both are reported with their CPU time
+besides the wall clock: this process's thread and the PostgreSQL backend's
+(/proc/<pid>/schedstat: the server is local), which a shared machine's load disturbs far
+less than the wall clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import statistics
@@ -28,18 +38,41 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from benchlib import pct, scratch_postgres
-from sqlalchemy import create_engine, func, insert, select, text, update
+from sqlalchemy import (
+    ARRAY,
+    Integer,
+    String,
+    any_,
+    bindparam,
+    create_engine,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.selectable import TableValuedAlias
+from sqlalchemy.types import TypeEngine
 
+import torchyard.scheduler.cycle as cycle
+import torchyard.store.queue as queue
+import torchyard.store.states as states
 from torchyard.scheduler.cycle import schedule
-from torchyard.store.db import session_scope
-from torchyard.store.models import Job, User, Worker, utcnow
+from torchyard.store.db import dispose_engines, session_scope
+from torchyard.store.migrate import downgrade
+from torchyard.store.models import Assignment, Attempt, Job, User, Worker, utcnow
+from torchyard.store.queue import FreeWorker, QueuedJob, Started
 from torchyard.store.settings import Settings
-from torchyard.store.states import QUEUED
+from torchyard.store.states import A_STARTING, QUEUED, STARTING
 from torchyard.store.workers import BUSY, IDLE
 
 DB_NAME = "torchyard_bench_sched"
@@ -101,17 +134,173 @@ def populate(url: str, n_workers: int, n_jobs: int, seed: int = 7) -> None:
     eng.dispose()
 
 
-def timed_passes(url: str, repeats: int) -> tuple[list[float], int]:
-    """Passes rolled back (the state is the same for each): ms each, gangs placed."""
-    times, placed = [], 0
+# main's write path (PostgreSQL only), for the old/new comparison: text-format arrays and
+# a statement per table.
+
+
+def _old_unnest(name: str, **columns: tuple[list[Any], TypeEngine[Any]]) -> TableValuedAlias:
+    arrays = [bindparam(None, list(v), type_=ARRAY(t)) for v, t in columns.values()]
+    return func.unnest(*arrays).table_valued(*columns).render_derived(name=name)
+
+
+def _old_in_list(session: Session, column: Any, values: list[Any]) -> Any:
+    return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))
+
+
+def old_start_gangs(
+    session: Session, gangs: list[tuple[QueuedJob, list[FreeWorker]]]
+) -> list[Started] | None:
+    if not gangs:
+        return []
+    sp = session.begin_nested()
+    at, ast = Attempt.__table__, Assignment.__table__
+    u = _old_unnest(
+        "u",
+        job=([j.id for j, _ in gangs], String()),
+        number=([j.attempt for j, _ in gangs], Integer()),
+        size=([len(ws) for _, ws in gangs], Integer()),
+    )
+    rows = select(u.c.job, u.c.number, u.c.size, literal(A_STARTING))
+    ins = insert(at).from_select(["job_id", "number", "world_size", "state"], rows)
+    by_job = {j: a for a, j in session.execute(ins.returning(at.c.id, at.c.job_id))}
+    ranks = [(by_job[j.id], j.id, r, w) for j, ws in gangs for r, w in enumerate(ws)]
+    u = _old_unnest(
+        "u",
+        attempt=([r[0] for r in ranks], Integer()),
+        job=([r[1] for r in ranks], String()),
+        rank=([r[2] for r in ranks], Integer()),
+        worker=([r[3].id for r in ranks], String()),
+    )
+    ins = insert(ast).from_select(
+        ["attempt_id", "job_id", "rank", "worker_id"],
+        select(u.c.attempt, u.c.job, u.c.rank, u.c.worker),
+    )
+    by_worker = {w: a for a, w in session.execute(ins.returning(ast.c.id, ast.c.worker_id))}
+    aids = [by_worker[r[3].id] for r in ranks]
+    u = _old_unnest(
+        "u",
+        wid=([r[3].id for r in ranks], String()),
+        job=([r[1] for r in ranks], String()),
+        aid=(aids, Integer()),
+    )
+    claim = (
+        update(Worker)
+        .where(Worker.state == IDLE, Worker.id == u.c.wid)
+        .values(state=BUSY, current_job_id=u.c.job, current_assignment_id=u.c.aid)
+        .execution_options(synchronize_session=False)
+    )
+    moved = [(j.id, j.attempt, f"assigned to {', '.join(w.id for w in ws)}") for j, ws in gangs]
+    if session.execute(claim).rowcount != len(ranks) or not states.transition_many(  # type: ignore[attr-defined]
+        session, moved, QUEUED, STARTING
+    ):
+        sp.rollback()
+        return None
+    sp.commit()
+    return [Started(r[1], a, r[3].id, r[3].queue, r[2]) for a, r in zip(aids, ranks, strict=True)]
+
+
+@contextmanager
+def old_write_path() -> Iterator[None]:
+    saved = (cycle.start_gangs, states.unnest, states.in_list, queue.unnest)
+    cycle.start_gangs = old_start_gangs  # type: ignore[assignment]
+    states.unnest = queue.unnest = _old_unnest  # type: ignore[assignment]
+    states.in_list = _old_in_list  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cycle.start_gangs, states.unnest, states.in_list, queue.unnest = saved  # type: ignore[assignment]
+
+
+def vacuum(url: str, what: str) -> None:
+    eng = create_engine(url, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f"VACUUM {what}"))
+    eng.dispose()
+
+
+@contextmanager
+def old_schema_copy(admin_url: str, url: str) -> Iterator[str]:
+    """A copy of the bench database at main's schema (migration 0008: the indexes 0009
+    dropped, `jobs` without its fillfactor), dropped afterwards: its URL. Both databases'
+    `jobs` are rewritten, so that each has the pages its schema makes."""
+    dispose_engines()  # CREATE DATABASE … TEMPLATE needs the template unused
+    name = url.rsplit("/", 1)[1]
+    old_url = f"{url}_old"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}_old" TEMPLATE "{name}"'))
+    try:
+        downgrade(old_url, "0008")
+        for u in (url, old_url):
+            vacuum(u, "FULL ANALYZE jobs")
+        yield old_url
+    finally:
+        dispose_engines()
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}_old" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _cpu_ms(pid: int) -> float:
+    """CPU time of a local process so far, ms (nan when /proc does not have it)."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e6
+    except OSError:
+        return math.nan
+
+
+class PassTimes(NamedTuple):
+    """Per pass, ms: wall clock, this thread's CPU, the server backend's CPU."""
+
+    wall: list[float]
+    client_cpu: list[float]
+    server_cpu: list[float]
+
+
+def timed_passes(url: str, repeats: int, *, old: bool = False) -> tuple[PassTimes, set[Any]]:
+    """Passes rolled back (the state is the same for each): their times, and what the
+    last one placed (job, worker, rank)."""
+    t, placed = PassTimes([], [], []), set()
     for _ in range(repeats):
-        with session_scope(url) as s:
-            t0 = time.perf_counter()
+        with session_scope(url) as s, old_write_path() if old else nullcontext():
+            dbapi = s.connection().connection.driver_connection
+            pid = dbapi.info.backend_pid  # type: ignore[union-attr]
+            t0, c0, s0 = time.perf_counter(), time.thread_time(), _cpu_ms(pid)
             out = schedule(s, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
-            times.append((time.perf_counter() - t0) * 1000)
-            placed = len({d.job_id for d in out})
+            t.wall.append((time.perf_counter() - t0) * 1000)
+            t.client_cpu.append((time.thread_time() - c0) * 1000)
+            t.server_cpu.append(_cpu_ms(pid) - s0)
+            placed = {(d.job_id, d.worker_id, d.rank) for d in out}
             s.rollback()
-    return times, placed
+    return t, placed
+
+
+def compare_fill(url: str, old_url: str, repeats: int) -> None:
+    """Old fill passes (main's code on main's schema, `old_url`) and new ones, alternating,
+    on the same data; both must place the same."""
+    times = {"old": PassTimes([], [], []), "new": PassTimes([], [], [])}
+    urls = {"old": old_url, "new": url}
+    placed: dict[str, set[Any]] = {}
+    for _ in range(repeats):
+        for name in times:
+            # Rolled-back passes leave dead rows (1,000 workers' each): vacuumed, as
+            # autovacuum would. The two databases do not fit in shared_buffers together: a
+            # pass first warms its own database's pages (and statements), untimed.
+            vacuum(urls[name], "workers, attempts, assignments, job_events, jobs")
+            timed_passes(urls[name], 1, old=name == "old")
+            t, placed[name] = timed_passes(urls[name], 2, old=name == "old")
+            for mine, one in zip(times[name], t, strict=True):
+                mine.extend(one)
+    assert placed["old"] == placed["new"], "old and new placed differently"
+    jobs = len({j for j, _, _ in placed["new"]})
+    for name, t in times.items():
+        report(f"fill pass, {name} ({jobs} jobs)", t.wall, PASS_GOAL_MS)
+        both = [c + s for c, s in zip(t.client_cpu, t.server_cpu, strict=True)]
+        print(
+            f"{'':<28} cpu p50: client {statistics.median(t.client_cpu):6.1f} ms  server "
+            f"{statistics.median(t.server_cpu):6.1f} ms  sum {statistics.median(both):6.1f} ms"
+            f"  (min {min(both):6.1f} ms)"
+        )
 
 
 def committed_pass(url: str) -> tuple[float, int]:
@@ -201,15 +390,15 @@ def main() -> int:
             f"{args.workers} workers, {args.jobs} queued jobs inserted in "
             f"{time.perf_counter() - t0:.1f} s"
         )
-        fill, placed = timed_passes(url, args.repeats)
-        report(f"fill pass ({placed} jobs placed)", fill, PASS_GOAL_MS)
-        ms, ranks = committed_pass(url)
-        print(f"fill pass, committed: {ms:.1f} ms, {ranks} ranks assigned")
-        steady, _ = timed_passes(url, args.repeats * 4)
-        report("steady pass (cluster full)", steady, PASS_GOAL_MS)
-        lat = dispatch_latency(url, Path(tmp), args.dispatches)
-        report("dispatch (commit -> message)", lat, DISPATCH_GOAL_MS)
-        print(f"still queued: {count(url, lambda: Job.state == QUEUED)}")
+        with old_schema_copy(args.pg, url) as old_url:
+            compare_fill(url, old_url, args.repeats)
+            ms, ranks = committed_pass(url)  # the pooled connection still warm
+            print(f"fill pass, committed: {ms:.1f} ms, {ranks} ranks assigned")
+            steady, _ = timed_passes(url, args.repeats * 4)
+            report("steady pass (cluster full)", steady.wall, PASS_GOAL_MS)
+            lat = dispatch_latency(url, Path(tmp), args.dispatches)
+            report("dispatch (commit -> message)", lat, DISPATCH_GOAL_MS)
+            print(f"still queued: {count(url, lambda: Job.state == QUEUED)}")
     return 0
 
 

@@ -2,10 +2,11 @@
 worker counts per kind, pending reasons, and the bulk write that starts a set of gangs.
 
 Reads return small row tuples (never ORM objects, never a job's spec), and the writes are
-one statement per table for the whole pass, so a pass over a big cluster costs a handful of
-round trips whatever the number of jobs it starts. On PostgreSQL a batch travels as one
-array per column (`unnest`), not as thousands of placeholders. Which job goes where is decided by
-`torchyard.scheduler`; this module only reads and writes.
+a statement or two per table for the whole pass, so a pass over a big cluster costs a
+handful of round trips whatever the number of jobs it starts. On PostgreSQL a batch travels
+as one binary array per column (`unnest`), not as thousands of placeholders, and the
+attempts, the assignments and the workers' claim are one statement. Which job goes where
+is decided by `torchyard.scheduler`; this module only reads and writes.
 
 Safety with several schedulers: on PostgreSQL the idle workers and queued jobs are
 selected FOR UPDATE SKIP LOCKED, so two passes never see the same rows; on SQLite the
@@ -23,7 +24,7 @@ from sqlalchemy import Integer, String, case, func, insert, literal, select, tru
 from sqlalchemy.orm import Session
 
 from torchyard.store.dialect import is_postgres, unnest
-from torchyard.store.models import Assignment, Attempt, Job, User, Worker
+from torchyard.store.models import Assignment, Attempt, Job, User, UTCDateTime, Worker, utcnow
 from torchyard.store.states import A_STARTING, QUEUED, STARTING, transition_many
 from torchyard.store.workers import BUSY, IDLE, LIVE
 
@@ -77,22 +78,6 @@ _QUEUED_COLS = (
     Job.owner_id,
     Job.priority,
 )
-
-
-def queue_head(session: Session, limit: int) -> list[QueuedJob]:
-    """The first `limit` queued jobs by priority, then age (the partial index
-    ix_jobs_queued_order serves exactly this order)."""
-    if limit <= 0:
-        return []
-    q = (
-        select(*_QUEUED_COLS)
-        .where(Job.state == QUEUED)
-        .order_by(Job.priority.desc(), Job.created_at, Job.id)
-        .limit(limit)
-    )
-    if is_postgres(session):
-        q = q.with_for_update(skip_locked=True)
-    return [QueuedJob(*row) for row in session.execute(q)]
 
 
 def queue_heads(session: Session, limit: int, *, lock: bool = True) -> list[QueuedJob]:
@@ -149,12 +134,84 @@ def start_gangs(
     session: Session, gangs: list[tuple[QueuedJob, list[FreeWorker]]]
 ) -> list[Started] | None:
     """Start every (job, workers) gang at once: one attempt per job with one assignment per
-    rank (rank i -> workers[i]), the workers busy with it, the jobs starting; a statement
-    per table. Inside a savepoint; None (nothing written) when a worker or a job changed
-    under the pass."""
+    rank (rank i -> workers[i]), the workers busy with it, the jobs starting. Inside a
+    savepoint; None (nothing written) when a worker or a job changed under the pass."""
     if not gangs:
         return []
     sp = session.begin_nested()
+    if is_postgres(session):
+        assignment_ids = _assign_pg(session, gangs)
+    else:
+        assignment_ids = _assign_sqlite(session, gangs)
+    moved = [(j.id, j.attempt, f"assigned to {', '.join(w.id for w in ws)}") for j, ws in gangs]
+    if assignment_ids is None or not transition_many(session, moved, QUEUED, STARTING):
+        sp.rollback()
+        return None
+    sp.commit()
+    ids = iter(assignment_ids)
+    return [Started(j.id, next(ids), w.id, w.queue, r) for j, ws in gangs for r, w in enumerate(ws)]
+
+
+def _assign_pg(
+    session: Session, gangs: list[tuple[QueuedJob, list[FreeWorker]]]
+) -> list[int] | None:
+    """The attempts, their assignments and the workers' claim in one statement (each rank
+    joins its attempt by job id): the assignment ids in rank order, or None when a worker
+    is no longer idle."""
+    att_t, asg_t = Attempt.__table__, Assignment.__table__
+    # Columns with Python defaults given explicitly: two inserts in one statement would
+    # otherwise both bind a parameter named "created_at".
+    now = literal(utcnow(), UTCDateTime)
+    g = unnest(
+        "g",
+        job=([j.id for j, _ in gangs], String()),
+        number=([j.attempt for j, _ in gangs], Integer()),
+        size=([len(ws) for _, ws in gangs], Integer()),
+    )
+    att = (
+        insert(att_t)
+        .from_select(
+            ["job_id", "number", "world_size", "state", "events_offset", "created_at"],
+            select(g.c.job, g.c.number, g.c.size, literal(A_STARTING), literal(0), now),
+        )
+        .returning(att_t.c.id, att_t.c.job_id)
+        .cte("att")
+    )
+    r = unnest(
+        "r",
+        job=([j.id for j, ws in gangs for _ in ws], String()),
+        rank=([i for _, ws in gangs for i in range(len(ws))], Integer()),
+        worker=([w.id for _, ws in gangs for w in ws], String()),
+    )
+    rows = select(att.c.id, r.c.job, r.c.rank, r.c.worker, now).join_from(
+        r, att, att.c.job_id == r.c.job
+    )
+    asg = (
+        insert(asg_t)
+        .from_select(["attempt_id", "job_id", "rank", "worker_id", "created_at"], rows)
+        .returning(asg_t.c.id, asg_t.c.job_id, asg_t.c.worker_id)
+        .cte("asg")
+    )
+    w_t = Worker.__table__
+    claim = (
+        update(w_t)
+        .where(w_t.c.id == asg.c.worker_id, w_t.c.state == IDLE)
+        .values(state=BUSY, current_job_id=asg.c.job_id, current_assignment_id=asg.c.id)
+        .returning(w_t.c.id)
+        .cte("claim")
+    )
+    claimed = select(func.count()).select_from(claim).scalar_subquery()
+    out = session.execute(select(asg.c.id, asg.c.worker_id, claimed)).all()
+    if not out or out[0][2] != len(out):
+        return None
+    by_worker = {w: a for a, w, _ in out}  # a worker takes one rank a pass
+    return [by_worker[w.id] for _, ws in gangs for w in ws]
+
+
+def _assign_sqlite(
+    session: Session, gangs: list[tuple[QueuedJob, list[FreeWorker]]]
+) -> list[int] | None:
+    """`_assign_pg` on SQLite: a statement per table (executemany for the inserts)."""
     attempt_ids = _insert_attempts(session, gangs)
     ranks = [
         _Rank(aid, j.id, r, w)
@@ -162,17 +219,7 @@ def start_gangs(
         for r, w in enumerate(ws)
     ]
     assignment_ids = _insert_assignments(session, ranks)
-    moved = [(j.id, j.attempt, f"assigned to {', '.join(w.id for w in ws)}") for j, ws in gangs]
-    if not _claim_workers(session, ranks, assignment_ids) or (
-        not transition_many(session, moved, QUEUED, STARTING)
-    ):
-        sp.rollback()
-        return None
-    sp.commit()
-    return [
-        Started(r.job_id, a, r.worker.id, r.worker.queue, r.rank)
-        for a, r in zip(assignment_ids, ranks, strict=True)
-    ]
+    return assignment_ids if _claim_workers(session, ranks, assignment_ids) else None
 
 
 class _Rank(NamedTuple):
@@ -187,17 +234,6 @@ def _insert_attempts(
 ) -> list[int]:
     """One attempt (number job.attempt, starting) per gang; their ids in gang order."""
     t = Attempt.__table__
-    if is_postgres(session):
-        u = unnest(
-            "u",
-            job=([j.id for j, _ in gangs], String()),
-            number=([j.attempt for j, _ in gangs], Integer()),
-            size=([len(ws) for _, ws in gangs], Integer()),
-        )
-        rows = select(u.c.job, u.c.number, u.c.size, literal(A_STARTING))
-        ins = insert(t).from_select(["job_id", "number", "world_size", "state"], rows)
-        by_job = {j: a for a, j in session.execute(ins.returning(t.c.id, t.c.job_id))}
-        return [by_job[j.id] for j, _ in gangs]
     return list(
         session.scalars(
             insert(t).returning(t.c.id, sort_by_parameter_order=True),
@@ -212,18 +248,6 @@ def _insert_attempts(
 def _insert_assignments(session: Session, ranks: list[_Rank]) -> list[int]:
     """One assignment per rank; their ids in rank order."""
     t = Assignment.__table__
-    if is_postgres(session):
-        u = unnest(
-            "u",
-            attempt=([r.attempt_id for r in ranks], Integer()),
-            job=([r.job_id for r in ranks], String()),
-            rank=([r.rank for r in ranks], Integer()),
-            worker=([r.worker.id for r in ranks], String()),
-        )
-        rows = select(u.c.attempt, u.c.job, u.c.rank, u.c.worker)
-        ins = insert(t).from_select(["attempt_id", "job_id", "rank", "worker_id"], rows)
-        by_worker = {w: a for a, w in session.execute(ins.returning(t.c.id, t.c.worker_id))}
-        return [by_worker[r.worker.id] for r in ranks]  # a worker takes one rank a pass
     return list(
         session.scalars(
             insert(t).returning(t.c.id, sort_by_parameter_order=True),
@@ -243,30 +267,19 @@ def _insert_assignments(session: Session, ranks: list[_Rank]) -> list[int]:
 def _claim_workers(session: Session, ranks: list[_Rank], assignment_ids: list[int]) -> bool:
     """idle -> busy, holding its new assignment (and job) each, in one statement; False when
     any worker is no longer idle."""
+    mine = (
+        select(Assignment.id, Assignment.job_id)
+        .where(Assignment.worker_id == Worker.id, Assignment.id.in_(assignment_ids))
+        .correlate(Worker)
+    )
     q = (
         update(Worker)
-        .where(Worker.state == IDLE)
-        .values(state=BUSY)
-        .execution_options(synchronize_session=False)
-    )
-    if is_postgres(session):
-        u = unnest(
-            "u",
-            wid=([r.worker.id for r in ranks], String()),
-            job=([r.job_id for r in ranks], String()),
-            aid=(assignment_ids, Integer()),
-        )
-        q = q.where(Worker.id == u.c.wid).values(
-            current_job_id=u.c.job, current_assignment_id=u.c.aid
-        )
-    else:
-        mine = (
-            select(Assignment.id, Assignment.job_id)
-            .where(Assignment.worker_id == Worker.id, Assignment.id.in_(assignment_ids))
-            .correlate(Worker)
-        )
-        q = q.where(Worker.id.in_([r.worker.id for r in ranks])).values(
+        .where(Worker.state == IDLE, Worker.id.in_([r.worker.id for r in ranks]))
+        .values(
+            state=BUSY,
             current_assignment_id=mine.with_only_columns(Assignment.id).scalar_subquery(),
             current_job_id=mine.with_only_columns(Assignment.job_id).scalar_subquery(),
         )
+        .execution_options(synchronize_session=False)
+    )
     return session.execute(q).rowcount == len(ranks)  # type: ignore[attr-defined]

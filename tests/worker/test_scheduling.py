@@ -27,7 +27,7 @@ from torchyard.store.attempts import (
     job_and_attempt_state,
 )
 from torchyard.store.db import session_factory, session_scope
-from torchyard.store.models import Assignment, Attempt, Job, Worker, utcnow
+from torchyard.store.models import Assignment, Attempt, Job, JobEvent, Worker, utcnow
 from torchyard.store.queue import FreeWorker, QueuedJob, start_gangs
 from torchyard.store.states import CANCELLING, transition
 from torchyard.store.workers import (
@@ -170,6 +170,40 @@ def test_a_batch_that_lost_a_race_writes_nothing(session: Session) -> None:
     assert s.get(Worker, "w0", populate_existing=True).state == "idle"  # type: ignore[union-attr]
     # Without the interloper the same batch goes through.
     assert [x.worker_id for x in start_gangs(s, gangs[:1]) or []] == ["w0"]
+
+
+def test_a_batch_writes_rows_that_agree(session: Session) -> None:
+    """Every rank's assignment is its job's new attempt's, its worker holds it, the events
+    name the workers; worker ids and reasons with quotes, backslashes, commas and non-ASCII
+    go through the batch arrays intact (binary on PostgreSQL)."""
+    s = session
+    odd = ['w"0', "w\\1", "w, 2", "wé 3", "w{4}", "NULL"]
+    for w in odd:
+        make_worker(s, w)
+    jobs = [make_job(s, world_size=n, age_s=10 - i) for i, n in enumerate((2, 1, 3))]
+    late = make_job(s, world_size=2, age_s=1)
+    out = run_pass(s)
+    assert sorted(d.worker_id for d in out) == sorted(odd)
+    assert reason(s, late) == "needs 2 workers, 0 idle"
+    for d in out:
+        a = s.get(Assignment, d.assignment_id)
+        assert a is not None and (a.job_id, a.worker_id, a.rank) == (d.job_id, d.worker_id, d.rank)
+        att = s.get(Attempt, a.attempt_id)
+        assert att is not None and (att.job_id, att.number, att.state) == (d.job_id, 1, "starting")
+        w = s.get(Worker, d.worker_id, populate_existing=True)
+        assert w is not None and w.state == "busy"
+        assert (w.current_job_id, w.current_assignment_id) == (d.job_id, d.assignment_id)
+    for job in jobs:
+        s.refresh(job)
+        ranks = sorted((d.rank, d.worker_id) for d in out if d.job_id == job.id)
+        assert job.state == "starting" and len(ranks) == job.world_size
+        (ev,) = s.scalars(select(JobEvent).where(JobEvent.job_id == job.id)).all()
+        assert ev.data == {
+            "from": "queued",
+            "to": "starting",
+            "reason": "assigned to " + ", ".join(w for _, w in ranks),
+            "attempt": 1,
+        }
 
 
 def _start(s: Session, world_size: int = 1, max_restarts: int = 2) -> tuple[Job, Attempt]:
