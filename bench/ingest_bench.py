@@ -1,16 +1,21 @@
 """Metric ingest speed through the worker's flush (worker/events.py: EventRecorder.write,
-then commit, as the supervisor does), old path against new, on PostgreSQL and SQLite.
+then commit, as the supervisor does), before issue 9 against now, on PostgreSQL and SQLite.
 
-    .venv/bin/python bench/ingest_bench.py [--points 60000] [--batch 1000] [--no-postgres]
+    .venv/bin/python bench/ingest_bench.py [--points 60000] [--batch 1000] [--reps 3]
+                                           [--no-postgres] [--main]
 
-"old" is the flush with main's ingest (copied below and patched in for its run: a
-SQLAlchemy-built multi-row `INSERT … ON CONFLICT`, then two rollup statements per series);
-"new" is the flush as it is (store/ingest.py). Both write three series, in batches of
-`--batch` points, each batch fenced and committed with its events offset and rollups.
-Wall clock counts waiting for a shared machine's CPUs; the CPU seconds of this process and
-of the database server's backends do not. PostgreSQL runs in a database of its own on
-127.0.0.1:5432 (`torchyard_bench_ingest`, created and dropped here); SQLite in a temporary
-file."""
+"before" is the flush as it was before issue 9 (bench/ingest_before.py, frozen: six
+statements per batch of new points) on the schema of then (migration 0009: foreign keys
+from the metric tables to `jobs`, locale collation); "new, 0009 schema" the flush as it is
+on that schema (the code's share of the gain); "new" the flush as it is on the current
+schema. `--main` adds main's ingest of long ago (copied below and patched in: a
+SQLAlchemy-built multi-row `INSERT … ON CONFLICT`, then two rollup statements per series;
+slow). All write three series, in batches of `--batch` points, each batch fenced and
+committed with its events offset, rollups and job version, into a new job; runs take
+turns, `--reps` times each, and each one's run of fewest CPU seconds is shown. Wall clock
+counts waiting for a shared machine's CPUs; CPU seconds (this process's, and the
+PostgreSQL backends' of the bench database) do not. PostgreSQL runs in databases of its own on 127.0.0.1:5432
+(`torchyard_bench_ingest*`, created and dropped here); SQLite in temporary files."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import STORE_SPEC, scratch_postgres
+from ingest_before import BeforeRecorder
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
@@ -31,7 +37,7 @@ import torchyard.worker.events as worker_events
 from torchyard.store.auth import get_or_create_user
 from torchyard.store.db import dispose_engines, session_scope
 from torchyard.store.jobs import create_job
-from torchyard.store.migrate import upgrade
+from torchyard.store.migrate import downgrade, upgrade
 from torchyard.store.models import Attempt, Metric
 from torchyard.worker.events import EventRecorder
 
@@ -136,15 +142,20 @@ def _server_cpu(url: str) -> Callable[[], float]:
     return used
 
 
-def _flush_all(url: str, batches: list[list[dict[str, Any]]]) -> tuple[float, float]:
+Recorder = type[EventRecorder]
+
+
+def _flush_all(
+    url: str, batches: list[list[dict[str, Any]]], recorder: Recorder
+) -> tuple[float, float, float]:
     """Seconds spent in the flushes (write + commit) of every batch, for a new job: wall
-    clock, and CPU (this process's and the database server's)."""
+    clock, this process's CPU and the database server's."""
     job_id, attempt_id = _job(url)
     server = _server_cpu(url)
-    wall = cpu = 0.0
+    wall = cpu = server_cpu = 0.0
     offset = 0
     for b in batches:
-        rec = EventRecorder(job_id, attempt_id, 1)
+        rec = recorder(job_id, attempt_id, 1)
         for ev in b:
             rec.add(ev)
         offset += len(b) * 100
@@ -153,11 +164,12 @@ def _flush_all(url: str, batches: list[list[dict[str, Any]]]) -> tuple[float, fl
         with session_scope(url) as s:
             rec.write(s)
         wall += time.perf_counter() - t0
-        cpu += time.process_time() - c0 + server() - s0
+        cpu += time.process_time() - c0
+        server_cpu += server() - s0
     with session_scope(url) as s:
         n = s.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == job_id))
     assert n == sum(map(len, batches)), n
-    return wall, cpu
+    return wall, cpu, server_cpu
 
 
 @contextmanager
@@ -170,32 +182,71 @@ def _patched(ingest: Callable[..., int]) -> Iterator[None]:
         worker_events.ingest_metrics = saved  # type: ignore[assignment]
 
 
-def run(label: str, url: str, points: int, batch: int) -> None:
-    upgrade(url)
+@contextmanager
+def _as_is() -> Iterator[None]:
+    yield
+
+
+# (label, database: its schema, recorder, patch)
+Variant = tuple[str, str, Recorder, Callable[[], Any]]
+
+
+def _variants(old: str, new: str, main: bool) -> list[Variant]:
+    out: list[Variant] = [
+        ("before", old, BeforeRecorder, _as_is),
+        ("new, 0009 schema", old, EventRecorder, _as_is),
+        ("new", new, EventRecorder, _as_is),
+    ]
+    if main:
+        out.insert(0, ("main", old, EventRecorder, lambda: _patched(old_ingest_metrics)))
+    return out
+
+
+def run(label: str, urls: tuple[str, str], points: int, batch: int, reps: int, main: bool) -> None:
+    """`urls`: databases at migration 0009 and at head."""
     batches = _batches(points, batch)
-    _flush_all(url, batches[:2])  # warm up: connections, statement caches
-    with _patched(old_ingest_metrics):
-        old, old_cpu = _flush_all(url, batches)
-    new, new_cpu = _flush_all(url, batches)
-    print(
-        f"{label:10} old {points / old:>8,.0f} points/s   new {points / new:>8,.0f} points/s"
-        f"   new/old {old / new:5.1f}x   ({points:,} points, batches of {batch})\n"
-        f"{'':10} per CPU second (client + server): old {points / old_cpu:>8,.0f}   "
-        f"new {points / new_cpu:>8,.0f}   new/old {old_cpu / new_cpu:5.1f}x"
-    )
+    variants = _variants(*urls, main)
+    best: dict[str, tuple[float, float, float]] = {}
+    for _, url, recorder, patch in variants:
+        with patch():
+            _flush_all(url, batches[:2], recorder)  # warm up: connections, statement caches
+    for _ in range(reps):
+        for v, url, recorder, patch in variants:
+            with patch():
+                r = _flush_all(url, batches, recorder)
+            best[v] = min(best.get(v, r), r, key=lambda t: t[1] + t[2])
+    print(f"{label}: {points:,} points in batches of {batch}, best of {reps}")
+    base = best["before"]
+    for v, (wall, cpu, server) in best.items():
+        print(
+            f"  {v:17} {points / wall:>8,.0f} points/s wall ({base[0] / wall:4.2f}x)   "
+            f"{points / (cpu + server):>8,.0f} per CPU second "
+            f"({(base[1] + base[2]) / (cpu + server):4.2f}x)"
+            f"   client {cpu / points * 1e6:5.2f} µs/point, server {server / points * 1e6:5.2f}"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", type=int, default=60_000)
     ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-postgres", action="store_true")
+    ap.add_argument("--main", action="store_true", help="also main's ingest (slow)")
     args = ap.parse_args()
+    opts = (args.points, args.batch, args.reps, args.main)
     if not args.no_postgres:
-        with scratch_postgres(PG_ADMIN, PG_DB) as url:
-            run("postgresql", url, args.points, args.batch)
+        with (
+            scratch_postgres(PG_ADMIN, PG_DB + "_0009") as old,
+            scratch_postgres(PG_ADMIN, PG_DB) as new,
+        ):
+            downgrade(old, "0009")
+            run("postgresql", (old, new), *opts)
     with tempfile.TemporaryDirectory() as d:
-        run("sqlite", f"sqlite:///{Path(d) / 'bench.db'}", args.points, args.batch)
+        old, new = f"sqlite:///{Path(d) / 'old.db'}", f"sqlite:///{Path(d) / 'new.db'}"
+        upgrade(old, "0009")
+        upgrade(new)
+        run("sqlite", (old, new), *opts)
         dispose_engines()
 
 

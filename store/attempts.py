@@ -13,11 +13,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
-from torchyard.store.jobs import bump_version_of_attempt
-from torchyard.store.lifecycle import counted_failures, fence, finish_attempt
+from torchyard.store.dialect import is_postgres
+from torchyard.store.jobs import bump_version_of_attempt, bump_version_sql
+from torchyard.store.lifecycle import Fenced, counted_failures, fence, finish_attempt
 from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, Worker, utcnow
 from torchyard.store.paths import UnsafePath, resolve_inside
 from torchyard.store.states import (
@@ -196,6 +197,50 @@ def ingest_start(session: Session, job_id: str) -> int:
         )
         or 0
     )
+
+
+# `fence` as an UPDATE: it locks the attempt's row as `fence` does (an ending elsewhere, an
+# UPDATE of that row, waits for this transaction's commit, or has committed and this
+# UPDATE, re-checking the state, matches nothing) and moves the events offset up to
+# :offset (NULL: leaves it). The states are store/states.py's constants.
+_FENCE_SQL = f"""
+UPDATE attempts
+SET events_offset = CASE WHEN events_offset < :offset THEN :offset ELSE events_offset END
+WHERE id = :attempt AND state IN ({", ".join(f"'{s}'" for s in ATTEMPT_ACTIVE)})
+RETURNING job_id
+"""
+
+
+def fence_flush(
+    session: Session,
+    attempt_id: int,
+    offset: int | None,
+    *,
+    touch_job: bool,
+    progress: tuple[int, dict[str, Any]] | None = None,
+) -> str:
+    """A worker's flush, first: `fence` the attempt (Fenced if it has ended), move its
+    events offset up to `offset`, and with `touch_job` bump its job's version, writing
+    `progress` too (store.jobs.bump_version_sql). Returns the job's id.
+
+    One round trip on PostgreSQL: the attempt's UPDATE in a CTE whose job id the job's
+    UPDATE reads, so rows are locked as in `finish_attempt`: attempt, then job. SQLite (no
+    UPDATE in a CTE) runs two statements; BEGIN IMMEDIATE serialises its writers."""
+    params = {"attempt": attempt_id, "offset": offset}
+    postgres = is_postgres(session)
+    if touch_job and postgres:
+        bump, binds = bump_version_sql("(SELECT job_id FROM fenced)", progress, postgres=True)
+        sql = text(f"WITH fenced AS ({_FENCE_SQL}) {bump} RETURNING id").bindparams(*binds)
+        job_id = session.scalar(sql, params)
+    else:
+        job_id = session.scalar(text(_FENCE_SQL), params)
+        if job_id is not None and touch_job:
+            bump, binds = bump_version_sql(":job", progress, postgres=False)
+            session.execute(text(bump).bindparams(*binds), {"job": job_id})
+    if job_id is None:
+        state = session.scalar(select(Attempt.state).where(Attempt.id == attempt_id))
+        raise Fenced(attempt_id, state)
+    return str(job_id)
 
 
 def set_events_offset(session: Session, attempt_id: int, offset: int) -> None:

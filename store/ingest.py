@@ -1,7 +1,8 @@
-"""Writing a batch of metric points, in the caller's transaction: one statement per batch
-on PostgreSQL (the batch as array literals, `unnest`ed), one prepared statement run by the
-driver's `executemany` on SQLite. A SQLAlchemy-built multi-row `INSERT … VALUES` spent most
-of a flush building and binding parameters (bench/ingest_bench.py).
+"""Writing a batch of metric points, in the caller's transaction: on PostgreSQL one
+statement for the new points and their rollups (the batch as binary arrays, `unnest`ed),
+on SQLite prepared statements run by the driver's `executemany`. A SQLAlchemy-built
+multi-row `INSERT … VALUES` spent most of a flush building and binding parameters, and
+text array literals a repr() per number (bench/ingest_bench.py).
 
 A batch splits in two. Points past the newest step of their series (the usual case: a
 trainer moving forward) are new for certain: a plain INSERT, the cheapest write, and their
@@ -14,27 +15,33 @@ two statements; fencing makes that impossible) fails the INSERT, never doubles a
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
+from psycopg import adapters
+from psycopg.abc import Buffer
+from psycopg.adapt import Dumper
+from psycopg.pq import Format
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from torchyard.store.dialect import is_postgres
 
-Row = dict[str, Any]  # name, step, epoch, value, time
+Point = tuple[str, int, float | None, float, float]  # name, step, epoch, value, time
 Block = tuple[str, int, int, float, float, int, int]  # name, level, block, vmin, vmax, last, n
+_POINT_KINDS, _BLOCK_KINDS = "qddd", "iqddqi"  # their numbers' SQL types (see `_array`)
 
 # Rows in the order given (the SSE feed pages on the id), one per key: the caller dedups.
 # Names go as a short array indexed by each row (a batch has a few series); numbers as
-# array literals, which the server parses faster than the driver adapts lists element by
-# element.
+# binary arrays packed here (`_array`). `{p}` prefixes the parameters, so that points and
+# blocks can share a statement.
 _PG_POINTS = """
 INSERT INTO metrics (job_id, name, step, epoch, value, "time")
-SELECT :job, (CAST(:names AS varchar[]))[p.k], p.step, p.epoch, p.value, p.t
+SELECT :job, (CAST(:{p}names AS varchar[]))[p.k], p.step, p.epoch, p.value, p.t
 FROM unnest(
-    CAST(:ks AS int[]), CAST(:c1 AS bigint[]), CAST(:c2 AS float8[]),
-    CAST(:c3 AS float8[]), CAST(:c4 AS float8[])
+    CAST(:{p}ks AS int[]), CAST(:{p}c1 AS bigint[]), CAST(:{p}c2 AS float8[]),
+    CAST(:{p}c3 AS float8[]), CAST(:{p}c4 AS float8[])
 ) WITH ORDINALITY AS p(k, step, epoch, value, t, i)
 ORDER BY p.i
 """
@@ -47,10 +54,12 @@ ON CONFLICT (job_id, name, step) DO UPDATE SET
 """
 _PG_BLOCKS = """
 INSERT INTO metric_blocks (job_id, name, level, block, vmin, vmax, last_step, n)
-SELECT :job, (CAST(:names AS varchar[]))[b.k], b.level, b.block, b.vmin, b.vmax, b.last, b.n
+SELECT :job, (CAST(:{p}names AS varchar[]))[b.k], b.level, b.block, b.vmin, b.vmax, b.last,
+       b.n
 FROM unnest(
-    CAST(:ks AS int[]), CAST(:c1 AS int[]), CAST(:c2 AS bigint[]), CAST(:c3 AS float8[]),
-    CAST(:c4 AS float8[]), CAST(:c5 AS bigint[]), CAST(:c6 AS int[])
+    CAST(:{p}ks AS int[]), CAST(:{p}c1 AS int[]), CAST(:{p}c2 AS bigint[]),
+    CAST(:{p}c3 AS float8[]), CAST(:{p}c4 AS float8[]), CAST(:{p}c5 AS bigint[]),
+    CAST(:{p}c6 AS int[])
 ) AS b(k, level, block, vmin, vmax, last, n)
 """
 _SQLITE_BLOCKS = """
@@ -70,53 +79,120 @@ ON CONFLICT (job_id, name, level, block) DO UPDATE SET
 """
 
 
-def _array(values: Sequence[Any]) -> str:
-    """A PostgreSQL array literal of numbers (repr round-trips a float exactly)."""
-    if None in values:
-        return "{" + ",".join("NULL" if v is None else repr(v) for v in values) + "}"
-    return "{" + ",".join(map(repr, values)) + "}"
+class _Int4Array(bytes):
+    """An int[] in PostgreSQL's binary array format (psycopg sends it as is)."""
 
 
-def _insert(
-    session: Session, sql: tuple[str, str], job_id: str, rows: Sequence[tuple[Any, ...]]
-) -> None:
-    """Insert `rows` (name first, then numbers) with `sql`, its (PostgreSQL, SQLite) forms,
-    as one statement on PostgreSQL and one `executemany` on SQLite, in the session's
-    transaction."""
-    if not rows:
-        return
-    if is_postgres(session):
-        index: dict[str, int] = {}
-        params: dict[str, Any] = {
-            "job": job_id,
-            "ks": _array([index.setdefault(r[0], len(index) + 1) for r in rows]),  # 1-based
-        }
-        for i, column in enumerate(zip(*rows, strict=True)):
-            if i:
-                params[f"c{i}"] = _array(column)
-        session.execute(text(sql[0]), {**params, "names": list(index)})
-        return
-    # The session's own DBAPI connection: the statement joins its transaction (BEGIN
-    # IMMEDIATE, store/db.py), so the batch commits or rolls back with the offset.
+class _Int8Array(bytes):
+    """A bigint[] in PostgreSQL's binary array format."""
+
+
+class _Float8Array(bytes):
+    """A float8[] in PostgreSQL's binary array format."""
+
+
+def _register(cls: type[bytes], array_oid: int) -> None:
+    """psycopg sends a `cls` as is, in binary format, typed `array_oid`."""
+
+    class ArrayDumper(Dumper):
+        format = Format.BINARY
+        oid = array_oid
+
+        def dump(self, obj: Buffer) -> Buffer:
+            return obj
+
+    adapters.register_dumper(cls, ArrayDumper)
+
+
+_register(_Int4Array, 1007)
+_register(_Int8Array, 1016)
+_register(_Float8Array, 1022)
+# kind (a struct code) -> (array class, element oid)
+_KINDS: dict[str, tuple[type[bytes], int]] = {
+    "i": (_Int4Array, 23),
+    "q": (_Int8Array, 20),
+    "d": (_Float8Array, 701),
+}
+_HEADER = struct.Struct(">iiiii")  # dimensions, has NULLs, element oid, length, lower bound
+
+
+def _array(values: Sequence[Any], kind: str) -> bytes:
+    """`values` (int4 "i", int8 "q" or float8 "d") as a binary array: one struct.pack for
+    the whole column, where a text literal took a repr() per number (~0.5 µs each) and the
+    server a parse. Each element is its byte length, then its bytes (NULL: length -1)."""
+    cls, oid = _KINDS[kind]
+    n, size = len(values), struct.calcsize(kind)
+    if None not in values:
+        args = [size] * (2 * n)
+        args[1::2] = values
+        body = struct.pack(f">{('i' + kind) * n}", *args)
+        return cls(_HEADER.pack(1, 0, oid, n, 1) + body)
+    fmt = "".join("i" if v is None else "i" + kind for v in values)
+    args = [x for v in values for x in ((-1,) if v is None else (size, v))]
+    return cls(_HEADER.pack(1, 1, oid, n, 1) + struct.pack(f">{fmt}", *args))
+
+
+def _pg_params(prefix: str, rows: Sequence[tuple[Any, ...]], kinds: str) -> dict[str, Any]:
+    """The parameters of `rows` (name first, then numbers of `kinds`, see `_array`) for a
+    statement whose placeholders carry `prefix`: names once each, a 1-based index into
+    them per row, an array per column. Whole columns at a time: per-row Python dominates."""
+    columns = list(zip(*rows, strict=True))
+    index = {name: i for i, name in enumerate(dict.fromkeys(columns[0]), 1)}
+    params: dict[str, Any] = {
+        f"{prefix}names": list(index),
+        f"{prefix}ks": _array(list(map(index.__getitem__, columns[0])), "i"),
+    }
+    for i, (column, kind) in enumerate(zip(columns[1:], kinds, strict=True), 1):
+        params[f"{prefix}c{i}"] = _array(column, kind)
+    return params
+
+
+def _sqlite_many(session: Session, sql: str, job_id: str, rows: Sequence[tuple[Any, ...]]) -> None:
+    """`sql` once per row through the driver's `executemany`, in the session's transaction:
+    its own DBAPI connection (BEGIN IMMEDIATE, store/db.py), so the rows commit or roll back
+    with the rest of the batch."""
     dbapi = session.connection().connection.driver_connection
     assert dbapi is not None
     cur = dbapi.cursor()
     try:
-        cur.executemany(sql[1], [(job_id, *r) for r in rows])
+        cur.executemany(sql, [(job_id, *r) for r in rows])
     finally:
         cur.close()
 
 
-def write_points(session: Session, job_id: str, rows: Sequence[Row], *, upsert: bool) -> None:
-    """Insert `rows` (at most one per (name, step); numbers as int and float) for `job_id`;
-    with `upsert`, a row already there takes the new values."""
+def write_points(session: Session, job_id: str, points: Sequence[Point], *, upsert: bool) -> None:
+    """Insert `points` (at most one per (name, step)) for `job_id`; with `upsert`, a point
+    already there takes the new values."""
+    if not points:
+        return
     tail = _UPSERT_POINTS if upsert else ""
-    _insert(
-        session,
-        (_PG_POINTS + tail, _SQLITE_POINTS + tail),
-        job_id,
-        [(r["name"], r["step"], r["epoch"], r["value"], r["time"]) for r in rows],
-    )
+    if is_postgres(session):
+        params = {"job": job_id, **_pg_params("", points, _POINT_KINDS)}
+        session.execute(text(_PG_POINTS.format(p="") + tail), params)
+    else:
+        _sqlite_many(session, _SQLITE_POINTS + tail, job_id, points)
+
+
+def insert_new(
+    session: Session, job_id: str, points: Sequence[Point], levels: Sequence[int]
+) -> None:
+    """Insert points never recorded before (a plain INSERT: one already there fails it) and
+    fold them into their rollup blocks: one statement on PostgreSQL (the points' INSERT in
+    a CTE; the blocks are aggregated here, so the statement reads no table)."""
+    if not points:
+        return
+    blocks = _aggregate(points, levels)
+    if is_postgres(session):
+        sql = _PG_POINTS.format(p="p_")
+        params = {"job": job_id, **_pg_params("p_", points, _POINT_KINDS)}
+        if blocks:
+            sql = f"WITH points AS ({sql})" + _PG_BLOCKS.format(p="b_") + _MERGE_BLOCKS
+            params.update(_pg_params("b_", blocks, _BLOCK_KINDS))
+        session.execute(text(sql), params)
+        return
+    _sqlite_many(session, _SQLITE_POINTS, job_id, points)
+    if blocks:
+        _sqlite_many(session, _SQLITE_BLOCKS + _MERGE_BLOCKS, job_id, blocks)
 
 
 def newest_steps(session: Session, job_id: str, names: Sequence[str]) -> dict[str, int | None]:
@@ -132,45 +208,47 @@ def newest_steps(session: Session, job_id: str, names: Sequence[str]) -> dict[st
     return dict(zip(names, row, strict=True))
 
 
-def split_new(session: Session, job_id: str, rows: Sequence[Row]) -> tuple[list[Row], list[Row]]:
+def split_new(
+    session: Session, job_id: str, points: Sequence[Point]
+) -> tuple[list[Point], list[Point]]:
     """(points past their series' newest recorded step, the others)."""
-    newest = newest_steps(session, job_id, list({r["name"]: None for r in rows}))
-    new: list[Row] = []
-    old: list[Row] = []
-    for r in rows:
-        top = newest[r["name"]]
-        (new if top is None or r["step"] > top else old).append(r)
+    newest = newest_steps(session, job_id, list(dict.fromkeys(p[0] for p in points)))
+    if all(top is None for top in newest.values()):  # a job's first batch
+        return list(points), []
+    new: list[Point] = []
+    old: list[Point] = []
+    for p in points:
+        top = newest[p[0]]
+        (new if top is None or p[1] > top else old).append(p)
     return new, old
 
 
-def _aggregate(rows: Sequence[Row], levels: Sequence[int]) -> list[Block]:
-    """The blocks of `rows` at each level (finest first, each a multiple of the one
+def _aggregate(points: Sequence[Point], levels: Sequence[int]) -> list[Block]:
+    """The blocks of `points` at each level (finest first, each a multiple of the one
     before), from steps 0 on: blocks never cover negative steps (store/metrics.py)."""
+    first = levels[0]
     finest: dict[tuple[str, int], list[Any]] = {}
-    for r in rows:
-        step, value = r["step"], r["value"]
+    for name, step, _epoch, value, _time in points:
         if step < 0:
             continue
-        a = finest.get((r["name"], step // levels[0]))
+        a = finest.get((name, step // first))
         if a is None:
-            finest[(r["name"], step // levels[0])] = [value, value, step, 1]
-        else:
-            a[0], a[1] = min(a[0], value), max(a[1], value)
-            a[2], a[3] = max(a[2], step), a[3] + 1
-    out = [(name, levels[0], block, *a) for (name, block), a in finest.items()]
+            finest[(name, step // first)] = [value, value, step, 1]
+            continue
+        # Comparisons, not min()/max(): a call per point costs more than the rest.
+        if value < a[0]:
+            a[0] = value
+        elif value > a[1]:
+            a[1] = value
+        if step > a[2]:
+            a[2] = step
+        a[3] += 1
+    out = [(name, first, block, *a) for (name, block), a in finest.items()]
     for level in levels[1:]:
         coarse: dict[tuple[str, int], list[Any]] = {}
         for (name, block), (vmin, vmax, last, n) in finest.items():
-            key = (name, block * levels[0] // level)
+            key = (name, block * first // level)
             a = coarse.setdefault(key, [vmin, vmax, last, 0])
             a[0], a[1], a[2], a[3] = min(a[0], vmin), max(a[1], vmax), max(a[2], last), a[3] + n
         out += [(name, level, block, *a) for (name, block), a in coarse.items()]
     return out
-
-
-def merge_new_blocks(
-    session: Session, job_id: str, rows: Sequence[Row], levels: Sequence[int]
-) -> None:
-    """Fold points just inserted (never there before) into their rollup blocks."""
-    sql = (_PG_BLOCKS + _MERGE_BLOCKS, _SQLITE_BLOCKS + _MERGE_BLOCKS)
-    _insert(session, sql, job_id, _aggregate(rows, levels))

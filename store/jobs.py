@@ -21,6 +21,7 @@ from sqlalchemy import JSON, Select, and_, bindparam, literal_column, or_, selec
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import BindParameter
 
 from torchyard.store.dialect import is_postgres
 from torchyard.store.models import Attempt, IdempotencyKey, Job, JobEvent, User, utcnow
@@ -398,6 +399,24 @@ def bump_version(session: Session, job_id: str) -> None:
         .values(version=Job.version + 1)
         .execution_options(synchronize_session=False)
     )
+
+
+def bump_version_sql(
+    job_id_sql: str, progress: tuple[int, dict[str, Any]] | None, *, postgres: bool
+) -> tuple[str, list[BindParameter[Any]]]:
+    """`bump_version` for the job whose id `job_id_sql` gives (a parameter, or a subquery of
+    the statement this one ends: a worker's flush, store/attempts.py), as SQL text (cheaper
+    to run per batch than a Core construct). With `progress` (attempt number, progress)
+    it also writes the job's progress while that attempt is the job's current one (as
+    `set_progress`). Returns the SQL and its parameters (:now, :number, :progress)."""
+    sets = "version = version + 1, updated_at = :now"
+    if progress is not None:
+        value = "CAST(:progress AS json)" if postgres else ":progress"  # SQLite: JSON text
+        sets += f", progress = CASE WHEN attempt = :number THEN {value} ELSE progress END"
+    binds = [bindparam("now", utcnow(), type_=Job.updated_at.type)]
+    if progress is not None:
+        binds += [bindparam("number", progress[0]), bindparam("progress", progress[1], JSON)]
+    return f"UPDATE jobs SET {sets} WHERE id = {job_id_sql}", binds
 
 
 def set_progress(

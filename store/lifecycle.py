@@ -55,7 +55,9 @@ def fence(session: Session, attempt_id: int) -> Attempt:
     """Lock the attempt's row for this transaction and check it is still active.
 
     The lock (FOR UPDATE on PostgreSQL; SQLite's BEGIN IMMEDIATE serialises writers
-    already) makes the check hold until commit: `finish_attempt` elsewhere waits for it."""
+    already) makes the check hold until commit: `finish_attempt` elsewhere waits for it.
+    A worker's flush fences with store.attempts.fence_flush: the same check and lock, as
+    an UPDATE that also moves its events offset and bumps the job's version."""
     q = select(Attempt).where(Attempt.id == attempt_id).execution_options(populate_existing=True)
     if is_postgres(session):
         q = q.with_for_update()

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
-from torchyard.store.ingest import merge_new_blocks, split_new, write_points
+from torchyard.store.ingest import Point, insert_new, split_new, write_points
 from torchyard.store.models import Metric, MetricBlock
 
 # Rollup levels (steps per block), finest first: see store.models.MetricBlock.
@@ -54,25 +54,25 @@ def ingest_metrics(session: Session, job_id: str, rows: Iterable[dict[str, Any]]
     A replay after resume, or a batch delivered twice, leaves one row per
     (job, name, step) holding the latest value. Returns the number of rows sent.
     """
-    values = [
-        {
-            "name": r["name"],
-            "step": int(r["step"]),
-            "epoch": None if r.get("epoch") is None else float(r["epoch"]),
-            "value": float(r["value"]),
-            "time": float(r["time"]),
-        }
-        for r in rows
-    ]
-    # Within one batch the last row of a key wins (ON CONFLICT cannot touch a row twice).
-    dedup = list({(v["name"], v["step"]): v for v in values}.values())
-    new, replayed = split_new(session, job_id, dedup)
-    write_points(session, job_id, new, upsert=False)
-    merge_new_blocks(session, job_id, new, BLOCK_LEVELS)
+    # One pass: types as stored, and within the batch the last row of a key wins (ON
+    # CONFLICT cannot touch a row twice); keys keep their first position.
+    dedup: dict[tuple[str, int], Point] = {}
+    for r in rows:
+        name, step, epoch = r["name"], int(r["step"]), r.get("epoch")
+        dedup[name, step] = (
+            name,
+            step,
+            None if epoch is None else float(epoch),
+            float(r["value"]),
+            float(r["time"]),
+        )
+    points = list(dedup.values())
+    new, replayed = split_new(session, job_id, points)
+    insert_new(session, job_id, new, BLOCK_LEVELS)
     # After the merge: a block holding new and replayed points is then redone from all.
     write_points(session, job_id, replayed, upsert=True)
     _update_blocks(session, job_id, replayed)
-    return len(dedup)
+    return len(points)
 
 
 def _redo_blocks(
@@ -85,11 +85,11 @@ def _redo_blocks(
     session.execute(text(sql.format(spans=values)), params)
 
 
-def _update_blocks(session: Session, job_id: str, rows: list[dict[str, Any]]) -> None:
+def _update_blocks(session: Session, job_id: str, points: list[Point]) -> None:
     steps: dict[str, tuple[int, int]] = {}
-    for r in rows:
-        lo, hi = steps.get(r["name"], (r["step"], r["step"]))
-        steps[r["name"]] = (min(lo, r["step"]), max(hi, r["step"]))
+    for name, step, *_ in points:
+        lo, hi = steps.get(name, (step, step))
+        steps[name] = (min(lo, step), max(hi, step))
     finest = BLOCK_LEVELS[0]
     # Whole blocks: a block is recomputed from all its points, not just the new ones. Steps
     # are optimizer steps, never negative.

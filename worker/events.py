@@ -22,10 +22,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from torchyard.store.attempts import set_events_offset
+from torchyard.store.attempts import fence_flush
 from torchyard.store.checkpoints import mark_deleted, record_checkpoint
-from torchyard.store.jobs import bump_version, set_progress
-from torchyard.store.lifecycle import fence, mark_started
+from torchyard.store.lifecycle import mark_started
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import UnsafePath
 from torchyard.trainer.eventmodel import (
@@ -260,20 +259,24 @@ class EventRecorder:
     def write(self, session: Session) -> None:
         """Write the buffer in the caller's transaction, fenced by the attempt (raises
         store.lifecycle.Fenced when it has ended); `clear()` after it commits."""
-        fence(session, self.attempt_id)
+        progress = None
+        if self.progress is not None and self.attempt_number is not None:
+            progress = (self.attempt_number, self.progress)
+        # The fence, the events offset and the job's version (its ETag: a 304 must not hide
+        # new rows) with its progress, in one round trip: all commit with the rows or none.
+        fence_flush(
+            session,
+            self.attempt_id,
+            self.offset,
+            touch_job=bool(self.metrics or self.checkpoints or progress),
+            progress=progress,
+        )
         if self.started_pending:
             mark_started(session, self.attempt_id)
         if self.metrics:
             ingest_metrics(session, self.job_id, self.metrics)
         for c in self.checkpoints:
             self._write_checkpoint(session, c)
-        if self.progress is not None and self.attempt_number is not None:
-            # The UPDATE bumps the job's version (its ETag) with the progress it writes.
-            set_progress(session, self.job_id, self.attempt_number, self.progress)
-        elif self.metrics or self.checkpoints:
-            bump_version(session, self.job_id)  # no job column written: a 304 must not hide them
-        if self.offset is not None:
-            set_events_offset(session, self.attempt_id, self.offset)
 
     def clear(self) -> None:
         self.metrics, self.checkpoints = [], []

@@ -206,3 +206,34 @@ def test_ingest_is_idempotent_and_rollups_equal_a_computation_from_scratch(
     for rows in sent:
         latest.update({(r["name"], r["step"]): r["value"] for r in rows})
     assert {(p[1], p[2]): p[4] for p in points} == latest and len(points) == len(latest)
+
+
+def test_points_are_stored_exactly_as_sent(session: Session, factory: Factory) -> None:
+    """The batch travels as binary arrays on PostgreSQL: every number comes back bit for bit
+    (steps past 2**31 and below 0, epochs missing in some rows or in all, floats that a
+    short decimal cannot hold), in the order sent (ids)."""
+    job = factory.job("alice", state="running")
+    rows = [
+        {"name": "a", "step": 2**40 + k, "epoch": None if k % 2 else k / 3, "value": 0.1 + k / 7,
+         "time": 1.7e9 + k / 9}
+        for k in range(5)
+    ] + [
+        {"name": "b", "step": -3, "value": -1e-300, "time": 0.0},
+        {"name": "b", "step": 0, "value": 1e300, "time": 0.0},
+        {"name": "b", "step": 0, "value": 2.5, "time": 1.0},  # the last of a key wins
+    ]  # fmt: skip
+    ingest_metrics(session, job, rows)
+    session.commit()
+    got = session.execute(
+        select(Metric.name, Metric.step, Metric.epoch, Metric.value, Metric.time)
+        .where(Metric.job_id == job)
+        .order_by(Metric.id)
+    ).all()
+    want = [(r["name"], r["step"], r.get("epoch"), r["value"], r["time"]) for r in rows]
+    assert [tuple(g) for g in got] == want[:6] + want[7:]
+    blocks = session.execute(
+        select(MetricBlock.name, MetricBlock.level, MetricBlock.vmin, MetricBlock.n)
+        .where(MetricBlock.job_id == job, MetricBlock.name == "b")
+        .order_by(MetricBlock.level)
+    ).all()
+    assert [tuple(b) for b in blocks] == [("b", 64, 2.5, 1), ("b", 4096, 2.5, 1)]

@@ -85,3 +85,25 @@ def test_db_upgrade_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         get_settings.cache_clear()
     assert _diff(url) == []
+
+
+def test_metric_keys_compare_bytewise_and_reference_nothing(empty_url: str) -> None:
+    """Migration 0010 and the models agree where autogenerate does not look (collations):
+    the metric tables' text keys are COLLATE "C" on PostgreSQL, and (both databases) no
+    foreign key leads from them to `jobs`, before and after a downgrade and upgrade."""
+    postgres = empty_url.startswith("postgresql")
+    migrate.upgrade(empty_url)
+    migrate.downgrade(empty_url, "0009")
+    migrate.upgrade(empty_url)
+    engine = make_engine(empty_url)
+    try:
+        insp = inspect(engine)
+        for table in ("metrics", "metric_blocks"):
+            assert insp.get_foreign_keys(table) == []
+            columns = {c["name"]: c for c in insp.get_columns(table)}
+            for name in ("job_id", "name"):
+                model = Base.metadata.tables[table].c[name].type.dialect_impl(engine.dialect)
+                assert columns[name]["type"].collation == model.collation  # type: ignore[attr-defined]
+                assert model.collation == ("C" if postgres else None)  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()

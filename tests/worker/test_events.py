@@ -7,12 +7,15 @@ import logging
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
+from torchyard.store.lifecycle import Fenced, finish_attempt
 from torchyard.store.models import Attempt, Checkpoint, Job, Metric, MetricBlock
+from torchyard.store.states import A_LOST
 from torchyard.trainer.eventmodel import event_dict
 from torchyard.worker.events import EventRecorder, EventTail
 
@@ -156,3 +159,99 @@ def test_a_flush_commits_points_and_offset_together_and_a_resent_batch_adds_noth
     rec.write(s)  # the same batch again (the offset's commit was not seen): nothing changes
     s.commit()
     assert _counts(s) == done
+
+
+def _state(s: Session, rec: EventRecorder) -> dict[str, object]:
+    """Everything a flush may write: points, blocks, the attempt's offset, the job's row."""
+    points, offset, blocks = _counts(s)
+    job = s.get(Job, rec.job_id)
+    attempt = s.get(Attempt, rec.attempt_id)
+    assert job is not None and attempt is not None
+    return {
+        "points": points,
+        "blocks": blocks,
+        "offset": offset,
+        "attempt": attempt.state,
+        "version": job.version,
+        "progress": job.progress,
+        "updated_at": job.updated_at,
+    }
+
+
+def _batch(rec: EventRecorder, steps: range, offset: int) -> None:
+    for i in steps:
+        rec.add({"type": "metric", "time": 1.0, "step": i, "name": "train/loss", "value": 1.0})
+    rec.add({"type": "progress", "time": 1.0, "step": steps[-1], "total_steps": 100})
+    rec.offset = offset
+
+
+def test_a_flush_for_an_ended_attempt_changes_nothing(session: Session) -> None:
+    """The fence: once the attempt has ended, a batch (points, progress, offset) is refused
+    with Fenced and writes nothing; an attempt that does not exist is refused too."""
+    s = session
+    _, rec = _placed_job(s)
+    _batch(rec, range(10), 100)
+    rec.write(s)
+    s.commit()
+    rec.clear()
+    assert finish_attempt(s, rec.attempt_id, A_LOST, reason="reaped") == "queued"
+    s.commit()
+    before = _state(s, rec)
+    _batch(rec, range(10, 20), 200)
+    with pytest.raises(Fenced) as refused:
+        rec.write(s)
+    assert (refused.value.attempt_id, refused.value.state) == (rec.attempt_id, A_LOST)
+    s.rollback()
+    assert _state(s, rec) == before
+    ghost = EventRecorder(rec.job_id, rec.attempt_id + 1000, 1)
+    _batch(ghost, range(10, 20), 200)
+    with pytest.raises(Fenced) as refused:
+        ghost.write(s)
+    assert refused.value.state is None
+    s.rollback()
+    assert _state(s, rec) == before
+
+
+def test_a_flush_bumps_the_version_keeps_the_offset_monotonic_and_only_its_progress(
+    session: Session,
+) -> None:
+    """A batch bumps the job's version (its ETag), moves the events offset only forward,
+    and writes progress only while its attempt is the job's current one."""
+    s = session
+    job, rec = _placed_job(s)
+    _batch(rec, range(5), 500)
+    rec.write(s)
+    s.commit()
+    rec.clear()
+    first = _state(s, rec)
+    assert first["offset"] == 500 and first["progress"]["step"] == 4  # type: ignore[index]
+    stale = EventRecorder(job.id, rec.attempt_id, rec.attempt_number + 1)  # type: ignore[operator]
+    _batch(stale, range(5, 9), 300)  # an offset behind the recorded one
+    stale.write(s)
+    s.commit()
+    after = _state(s, rec)
+    assert (after["points"], after["offset"]) == (9, 500)  # the points land; the offset stays
+    assert after["version"] == first["version"] + 1  # type: ignore[operator]
+    assert after["progress"] == first["progress"]  # not the other attempt's
+    assert after["updated_at"] >= first["updated_at"]  # type: ignore[operator]
+
+
+@pytest.mark.postgres
+def test_a_flush_holds_its_attempt_until_commit(session: Session) -> None:
+    """PostgreSQL: until a flush commits, ending its attempt elsewhere waits (here: gives up
+    on a lock timeout), so the end, once written, follows every point committed before."""
+    s = session
+    if s.get_bind().dialect.name != "postgresql":
+        pytest.skip("PostgreSQL's row locks")
+    _, rec = _placed_job(s)
+    _batch(rec, range(10), 100)
+    rec.write(s)  # not committed yet
+    with Session(s.get_bind()) as other:
+        other.execute(text("SET lock_timeout = '200ms'"))
+        with pytest.raises(OperationalError, match="lock timeout"):
+            finish_attempt(other, rec.attempt_id, A_LOST, reason="reaped")
+        other.rollback()
+        s.commit()
+        assert finish_attempt(other, rec.attempt_id, A_LOST, reason="reaped") == "queued"
+        other.commit()
+    assert _counts(s)[0] == 10
