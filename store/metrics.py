@@ -5,7 +5,7 @@ routes."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import delete, func, select, text
@@ -85,7 +85,11 @@ def _redo_blocks(
     session.execute(text(sql.format(spans=values)), params)
 
 
-def _update_blocks(session: Session, job_id: str, points: list[Point]) -> None:
+def _update_blocks(
+    session: Session, job_id: str, points: Sequence[Point | tuple[str, int]]
+) -> None:
+    """Redo the blocks (every level) covering each series' step range in `points`
+    (tuples starting with name and step)."""
     steps: dict[str, tuple[int, int]] = {}
     for name, step, *_ in points:
         lo, hi = steps.get(name, (step, step))
@@ -327,8 +331,4 @@ def rebuild_blocks(session: Session, job_id: str) -> None:
                 Metric.job_id == job_id, Metric.name == name
             )
         ).one()
-        _update_blocks(
-            session,
-            job_id,
-            [{"name": name, "step": int(lo)}, {"name": name, "step": int(hi)}],
-        )
+        _update_blocks(session, job_id, [(name, int(lo)), (name, int(hi))])
