@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import text, update
 from sqlalchemy.orm import Session
 
-from torchyard.store.attempts import set_events_offset
 from torchyard.store.dialect import is_postgres
 from torchyard.store.jobs import bump_version, set_progress
 from torchyard.store.lifecycle import fence, mark_started
 from torchyard.store.metrics import BLOCK_LEVELS, _update_blocks
+from torchyard.store.models import Attempt
 from torchyard.worker.events import EventRecorder
 
 Row = dict[str, Any]  # name, step, epoch, value, time
@@ -211,3 +211,13 @@ class BeforeRecorder(EventRecorder):
             bump_version(session, self.job_id)
         if self.offset is not None:
             set_events_offset(session, self.attempt_id, self.offset)
+
+
+def set_events_offset(session: Session, attempt_id: int, offset: int) -> None:
+    """The pre-change offset write (store/attempts.py had it; fence_flush replaced it)."""
+    session.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt_id, Attempt.events_offset < offset)
+        .values(events_offset=offset)
+        .execution_options(synchronize_session=False)
+    )

@@ -243,16 +243,6 @@ def fence_flush(
     return str(job_id)
 
 
-def set_events_offset(session: Session, attempt_id: int, offset: int) -> None:
-    """Record, in the transaction that wrote the events' rows, how far they reach."""
-    session.execute(
-        update(Attempt)
-        .where(Attempt.id == attempt_id, Attempt.events_offset < offset)
-        .values(events_offset=offset)
-        .execution_options(synchronize_session=False)
-    )
-
-
 def end_assignment(session: Session, assignment_id: int, exit_code: int | None) -> None:
     session.execute(
         update(Assignment)
