@@ -45,6 +45,11 @@ from torchyard.store.usage import usage_by_user
 from torchyard.store.workers import stale_cutoff
 
 LOOKAHEAD = 200
+# A pass starts at most this many ranks (plus the rest of the gang that crosses it), then
+# commits and sends; the caller runs the next pass at once (`PassResult.more`). Filling an
+# idle cluster of thousands of workers thus takes several short transactions, not one long
+# one: the first jobs' messages go out sooner, and the workers' rows are locked briefly.
+MAX_RANKS_PER_PASS = 256
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,11 @@ class Dispatch(NamedTuple):
     worker_id: str
     queue: str
     rank: int
+
+
+class PassResult(NamedTuple):
+    dispatches: list[Dispatch]
+    more: bool  # the pass stopped at max_ranks with jobs left to consider: run another now
 
 
 def fair_share(
@@ -128,26 +138,58 @@ def schedule(
     pool: PoolPolicy | None = None,
     now: datetime | None = None,
 ) -> list[Dispatch]:
+    """One unbounded pass (`run_pass` without max_ranks): everything that fits starts."""
+    return run_pass(
+        session,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        reserve_after_s=reserve_after_s,
+        pool=pool,
+        now=now,
+        max_ranks=None,
+    ).dispatches
+
+
+def run_pass(
+    session: Session,
+    *,
+    heartbeat_timeout_s: float,
+    reserve_after_s: float = RESERVE_AFTER_S,
+    pool: PoolPolicy | None = None,
+    now: datetime | None = None,
+    max_ranks: int | None = MAX_RANKS_PER_PASS,
+) -> PassResult:
     """Run one pass in the caller's transaction; the caller commits, then sends the
-    returned dispatches (never before: a worker must find its assignment in the store).
-    A pass that lost a race (a row changed under it) writes nothing and returns []: the
-    next pass sees the new state."""
+    returned dispatches (never before: a worker must find its assignment in the store),
+    then runs the next pass at once if `more`. A pass that lost a race (a row changed
+    under it) writes nothing and returns no dispatches: the next pass sees the new state."""
     pool = pool or PoolPolicy()
     now = now or db_now(session)
     cutoff = stale_cutoff(session, heartbeat_timeout_s, now)
     free = idle_workers(session, cutoff)
-    jobs = queue_heads(session, len(free) + LOOKAHEAD)
+    # Every started job takes a worker at least, so no more than this many of a user's
+    # jobs can start; LOOKAHEAD more let small jobs behind waiting big ones backfill.
+    placeable = len(free) if max_ranks is None else min(len(free), max_ranks)
+    jobs = queue_heads(session, placeable + LOOKAHEAD)
     if not jobs:
-        return []
+        return PassResult([], False)
     live_kinds = live_by_kind(session, cutoff)
     fs = fair_share(session, jobs, live_kinds, now, pool.half_life_s)
-    p = plan(jobs, free, live_kinds, now=now, reserve_after_s=reserve_after_s, share=fs)
+    p = plan(
+        jobs,
+        free,
+        live_kinds,
+        now=now,
+        reserve_after_s=reserve_after_s,
+        share=fs,
+        max_ranks=max_ranks,
+    )
     started = start_gangs(session, p.gangs)
     if started is None:
-        return []
-    _preempt(session, p, live_kinds, now, pool.preempt_after_s)
+        return PassResult([], False)
+    if not p.truncated:  # else the idle workers left are the next pass's to place first
+        _preempt(session, p, live_kinds, now, pool.preempt_after_s)
     set_pending_reasons(session, p.reasons)
-    return [Dispatch(*s) for s in started]
+    return PassResult([Dispatch(*s) for s in started], p.truncated)
 
 
 def resend_due(last_sent: dict[int, datetime], assignment_id: int, every_s: float) -> bool:

@@ -75,20 +75,20 @@ class Pools:
         return sum(self.size.values())
 
     def largest(self) -> tuple[Kind | None, int]:
-        """The kind with the most idle workers (the first such on a tie), and how many."""
-        best: Kind | None = None
-        for k, n in self.size.items():
-            if best is None or n > self.size[best]:
-                best = k
-        return best, (self.size[best] if best is not None else 0)
+        """The kind with the most idle workers (the lowest kind on a tie), and how many."""
+        if not self.size:
+            return None, 0
+        best = min(self.size, key=lambda k: (-self.size[k], k))
+        return best, self.size[best]
 
     def take_gang(self, n: int) -> list[FreeWorker] | None:
         """n idle workers of one kind (the kind with the fewest idle that still fits,
-        keeping big pools whole for big jobs), or None if no kind has n idle."""
+        keeping big pools whole for big jobs; the lowest kind on a tie, so the choice never
+        depends on which workers came first), or None if no kind has n idle."""
         fitting = [k for k, size in self.size.items() if size >= n]
         if not fitting:
             return None
-        return self._take(min(fitting, key=self.size.__getitem__), n)
+        return self._take(min(fitting, key=lambda k: (self.size[k], k)), n)
 
     def _take(self, k: Kind, n: int) -> list[FreeWorker]:
         """All on one host when a host has enough (the one with the fewest idle that still
@@ -135,6 +135,7 @@ class Plan:
     reasons: dict[str, str] = field(default_factory=dict)
     waiting: list[QueuedJob] = field(default_factory=list)
     left: Pools | None = None
+    truncated: bool = False  # stopped at max_ranks: the jobs after were not considered
 
 
 def cluster_reason(n: int, live_kinds: dict[Kind, int]) -> str | None:
@@ -174,15 +175,22 @@ def plan(
     now: datetime,
     reserve_after_s: float = RESERVE_AFTER_S,
     share: FairShare | None = None,
+    max_ranks: int | None = None,
 ) -> Plan:
     """Walk the queue in fair-share order: start what fits (gang, backfill) within each
     user's max_workers, give the rest a reason, and let a job that waited past
-    `reserve_after_s`, or whose preemption is under way, reserve workers."""
+    `reserve_after_s`, or whose preemption is under way, reserve workers. With
+    `max_ranks`, stop once that many ranks are placed (`truncated`): what was planned so
+    far is exactly what an unbounded plan starts first, so the next pass continues it."""
     share = share or FairShare()
     out = Plan()
     pools = Pools(free)
     waiting_ahead = 0  # jobs earlier in the order that wait and could run on this cluster
+    placed = 0
     for job in share.order(jobs):
+        if max_ranks is not None and placed >= max_ranks:
+            out.truncated = True
+            break
         n = job.world_size
         reason = cluster_reason(n, live_kinds) or share.quota_reason(job)
         if reason is None:
@@ -192,6 +200,7 @@ def plan(
             elif (chosen := pools.take_gang(n)) is not None:
                 out.gangs.append((job, chosen))
                 share.started(job)
+                placed += n
                 continue
             else:
                 reason = share.wait_prefix(job) + wait_reason(n, pools, waiting_ahead)

@@ -19,7 +19,13 @@ from torchyard.broker.app import (
     make_celery,
     make_consumer,
 )
-from torchyard.scheduler.cycle import Dispatch, PoolPolicy, resend_due, schedule
+from torchyard.scheduler.cycle import (
+    MAX_RANKS_PER_PASS,
+    Dispatch,
+    PoolPolicy,
+    resend_due,
+    run_pass,
+)
 from torchyard.scheduler.policy import RESERVE_AFTER_S
 from torchyard.scheduler.sweeps import SweepController
 from torchyard.store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
@@ -47,8 +53,10 @@ class Scheduler:
         *,
         tick_s: float = TICK_S,
         reserve_after_s: float = RESERVE_AFTER_S,
+        max_ranks: int = MAX_RANKS_PER_PASS,
     ):
         self.settings = settings
+        self.max_ranks = max_ranks
         self.tick_s = tick_s
         self.reserve_after_s = reserve_after_s
         self.app = make_celery(settings)
@@ -72,28 +80,36 @@ class Scheduler:
             return False
 
     def schedule_pass(self, why: str = "tick") -> list[Dispatch]:
+        """Passes until one places all it can: each is bounded (MAX_RANKS_PER_PASS), and
+        its messages go out as soon as it commits, before the next pass runs."""
+        sent: list[Dispatch] = []
         with self._lock:
-            with session_scope(self.settings.db_url) as s:
-                out = schedule(
-                    s,
-                    heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
-                    reserve_after_s=self.reserve_after_s,
-                    pool=PoolPolicy(
-                        self.settings.preempt_after_s, self.settings.fairshare_half_life_s
-                    ),
-                )
-            # After the commit: a worker must find its assignment when the message arrives.
-            for d in out:
-                self._send(d.assignment_id, d.queue)
-                log.info(
-                    "job %s rank %d -> %s (assignment %d, %s)",
-                    d.job_id,
-                    d.rank,
-                    d.worker_id,
-                    d.assignment_id,
-                    why,
-                )
-            return out
+            more = True
+            while more:
+                with session_scope(self.settings.db_url) as s:
+                    out, more = run_pass(
+                        s,
+                        heartbeat_timeout_s=self.settings.heartbeat_timeout_s,
+                        reserve_after_s=self.reserve_after_s,
+                        pool=PoolPolicy(
+                            self.settings.preempt_after_s, self.settings.fairshare_half_life_s
+                        ),
+                        max_ranks=self.max_ranks,
+                    )
+                # After the commit: a worker must find its assignment when the message
+                # arrives.
+                for d in out:
+                    self._send(d.assignment_id, d.queue)
+                    log.info(
+                        "job %s rank %d -> %s (assignment %d, %s)",
+                        d.job_id,
+                        d.rank,
+                        d.worker_id,
+                        d.assignment_id,
+                        why,
+                    )
+                sent += out
+        return sent
 
     def sweep_pass(self) -> int:
         """The sweep controller's pass (scheduler/sweeps.py), before the scheduling pass of

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -29,6 +30,7 @@ from torchyard.store.attempts import (
 from torchyard.store.db import session_factory, session_scope
 from torchyard.store.models import Assignment, Attempt, Job, JobEvent, Worker, utcnow
 from torchyard.store.queue import FreeWorker, QueuedJob, start_gangs
+from torchyard.store.settings import Settings
 from torchyard.store.states import CANCELLING, transition
 from torchyard.store.workers import (
     WorkerInfo,
@@ -37,6 +39,7 @@ from torchyard.store.workers import (
     release_orphaned_workers,
     release_worker,
 )
+from torchyard.worker.scheduler import Scheduler
 
 TIMEOUT = 10.0
 
@@ -405,7 +408,7 @@ def test_two_cpu_workers_gang_while_a_gpu_is_idle(session: Session) -> None:
 
 def _reference_plan(jobs, free, live_kinds, now, reserve_after_s):  # type: ignore[no-untyped-def]
     """The policy written the slow, obvious way: regroup the idle list for every job."""
-    kinds_order = list(dict.fromkeys(kind_of(w.device, w.device_name) for w in free))
+    kinds_order = sorted({kind_of(w.device, w.device_name) for w in free})
     gangs, reasons, waiting = [], {}, 0
 
     def by(key, ws):  # type: ignore[no-untyped-def]
@@ -421,7 +424,7 @@ def _reference_plan(jobs, free, live_kinds, now, reserve_after_s):  # type: igno
             pools = by(lambda w: kind_of(w.device, w.device_name), free)
             fitting = [k for k in kinds_order if len(pools.get(k, [])) >= n]
             if fitting:
-                hosts = by(lambda w: w.host, pools[min(fitting, key=lambda k: len(pools[k]))])
+                hosts = by(lambda w: w.host, pools[min(fitting, key=lambda k: (len(pools[k]), k))])
                 fit = [ws for ws in hosts.values() if len(ws) >= n]
                 chosen = min(fit, key=len)[:n] if fit else []
                 for ws in [] if fit else sorted(hosts.values(), key=len, reverse=True):
@@ -449,6 +452,19 @@ def _reference_plan(jobs, free, live_kinds, now, reserve_after_s):  # type: igno
     return [(j.id, [w.id for w in ws]) for j, ws in gangs], reasons
 
 
+def _pool(workers: list) -> tuple[list[FreeWorker], dict]:
+    """Idle workers from (host, model) pairs in the store's order, and live counts by kind."""
+    free = sorted(
+        (FreeWorker(f"w{i:02d}", f"h{h}", "cpu" if d == "cpu" else "cuda", None if d == "cpu"
+                    else d, f"q{i}") for i, (h, d) in enumerate(workers)),
+        key=lambda w: (w.host, w.id),
+    )  # fmt: skip
+    live: dict = {}
+    for w in free:
+        live[kind_of(w.device, w.device_name)] = live.get(kind_of(w.device, w.device_name), 0) + 1
+    return free, live
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     workers=st.lists(
@@ -458,19 +474,77 @@ def _reference_plan(jobs, free, live_kinds, now, reserve_after_s):  # type: igno
 )
 def test_the_policy_matches_the_plain_reference(workers: list, jobs: list) -> None:
     now = utcnow()
-    free = sorted(
-        (FreeWorker(f"w{i:02d}", f"h{h}", "cpu" if d == "cpu" else "cuda", None if d == "cpu"
-                    else d, f"q{i}") for i, (h, d) in enumerate(workers)),
-        key=lambda w: (w.host, w.id),
-    )  # fmt: skip
+    free, live = _pool(workers)
     queued = [QueuedJob(f"j{i:02d}", n, now - timedelta(seconds=age), 1, None)
               for i, (n, age) in enumerate(jobs)]  # fmt: skip
     # plan() orders the queue itself (priority, fair share, age); the reference walks it
     # in that order, which with one user and one priority is age.
     queued.sort(key=lambda j: (j.created_at, j.id))
-    live: dict = {}
-    for w in free:
-        live[kind_of(w.device, w.device_name)] = live.get(kind_of(w.device, w.device_name), 0) + 1
     got = plan(queued, free, live, now=now, reserve_after_s=300)
     want = _reference_plan(queued, free, live, now, 300)
     assert ([(j.id, [w.id for w in ws]) for j, ws in got.gangs], got.reasons) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    workers=st.lists(
+        st.tuples(st.integers(0, 4), st.sampled_from(["cpu", "a100", "h100"])), max_size=30
+    ),
+    jobs=st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 600), st.integers(0, 1)), max_size=25
+    ),
+    max_ranks=st.integers(1, 8),
+)
+def test_bounded_passes_start_what_one_unbounded_pass_starts(
+    workers: list, jobs: list, max_ranks: int
+) -> None:
+    """Passes of at most `max_ranks` ranks, each on what the previous left (as the
+    scheduler runs them back to back), start the same gangs on the same workers, in the
+    same order, as one unbounded pass."""
+    now = utcnow()
+    free, live = _pool(workers)
+    queued = [QueuedJob(f"j{i:02d}", n, now - timedelta(seconds=age), 1, None, 0, prio)
+              for i, (n, age, prio) in enumerate(jobs)]  # fmt: skip
+    whole = plan(queued, free, live, now=now, reserve_after_s=300)
+    got: list = []
+    for _ in range(len(queued) + 1):
+        p = plan(queued, free, live, now=now, reserve_after_s=300, max_ranks=max_ranks)
+        assert sum(len(ws) for _, ws in p.gangs) < max_ranks + 6  # one gang may cross it
+        got += p.gangs
+        taken = {w.id for _, ws in p.gangs for w in ws}
+        started = {j.id for j, _ in p.gangs}
+        free = [w for w in free if w.id not in taken]
+        queued = [j for j in queued if j.id not in started]
+        if not p.truncated:
+            break
+    else:
+        raise AssertionError("bounded passes did not finish")
+    assert [(j.id, [w.id for w in ws]) for j, ws in got] == [
+        (j.id, [w.id for w in ws]) for j, ws in whole.gangs
+    ]
+
+
+def test_the_scheduler_sends_each_bounded_pass_before_running_the_next(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fill bigger than max_ranks takes several passes, each committed and its messages
+    sent before the next pass starts anything."""
+    with session_scope(db_url) as s:
+        for i in range(7):
+            make_worker(s, f"w{i}")
+        jobs = [make_job(s, age_s=10 - i).id for i in range(7)]
+    sched = Scheduler(
+        Settings(_env_file=None, database_url=db_url, home=tmp_path),  # type: ignore[call-arg]
+        max_ranks=3,
+    )
+    committed_at_send: list[int] = []
+
+    def send(assignment_id: int, queue: str) -> bool:
+        with session_scope(db_url) as s:
+            committed_at_send.append(s.scalar(select(func.count()).select_from(Assignment)))
+        return True
+
+    monkeypatch.setattr(sched, "_send", send)
+    out = sched.schedule_pass()
+    assert [d.job_id for d in out] == jobs  # oldest first, all of them
+    assert committed_at_send == [3, 3, 3, 6, 6, 6, 7]
