@@ -131,7 +131,11 @@ def test_pending_reason_and_compare_follow_the_stream_without_polling(
     queued = _submit(cluster, alice, SHORT | {"name": "waiting-run"})  # the one worker is busy
     try:
         page = new_page()
-        login(page, cluster.url, alice, f"/jobs/{queued}")
+        # The page opens its event stream once its first reads (job, checkpoints, log)
+        # are done: only what it reads after that counts.
+        events = f"/v1/jobs/{queued}/events"
+        with page.expect_request(lambda r: r.url.split("?")[0].endswith(events)):
+            login(page, cluster.url, alice, f"/jobs/{queued}")
         page.wait_for_selector("#pending")
         assert "quota" not in page.inner_text("#pending")
         reads: list[str] = []
