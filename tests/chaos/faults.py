@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ class Injector:
         self.t = float(c.env["TORCHYARD_HEARTBEAT_TIMEOUT_S"])
         self.done: Counter[str] = Counter()
         self.stall_checks: list[float] = []  # GET job latency while downloads were stalled
+        self.failures: list[str] = []  # faults whose own checks failed, with the traceback
 
     # ---- the faults ---------------------------------------------------------------------
 
@@ -165,7 +167,12 @@ class Injector:
             stop.wait(self.rng.uniform(4, 12) if self.long else self.rng.uniform(1, 4))
             t0 = time.monotonic()
             self.log(f"fault {kind} ...")
-            getattr(self, kind)()
+            try:
+                getattr(self, kind)()
+            except Exception:  # recorded for the test to report; the run goes on
+                self.failures.append(f"fault {kind}: {traceback.format_exc()}")
+                self.log(f"fault {kind} FAILED after {time.monotonic() - t0:.1f}s")
+                continue
             self.done[kind] += 1
             self.log(f"fault {kind} done in {time.monotonic() - t0:.1f}s")
 

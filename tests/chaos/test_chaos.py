@@ -228,8 +228,11 @@ def test_nothing_lost_nothing_stuck_under_faults(
         seed=seed,
     )
     print(line, flush=True)
-    (tmp_path / "chaos-report.txt").write_text("\n".join([*log_lines, line, *report.problems]))
+    (tmp_path / "chaos-report.txt").write_text(
+        "\n".join([*log_lines, line, *injector.failures, *report.problems])
+    )
     keep_job_records(c.storage_root, report.problems, tmp_path / "failed-jobs")
+    assert injector.failures == [], "\n".join(injector.failures)
     assert set(injector.done) == set(Injector.KINDS), injector.done
     assert report.problems == [], "\n".join(report.problems)
     assert leftover == [] and busy == []
