@@ -33,6 +33,7 @@ from torchyard.api.routers import (
     users,
     workers,
 )
+from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.db import make_engine
 from torchyard.store.inventory import job_counts, worker_counts
 from torchyard.store.paths import LOG_FILE, job_dir
@@ -113,7 +114,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # for the GIL triple the tail latency (measured by bench/api_bench.py) for no throughput.
     settings: Settings = app.state.settings
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
-    yield
+    # The hottest read (a job) on the event loop, PostgreSQL only; opened here, in the
+    # loop that serves requests (an app whose lifespan never ran reads through threads).
+    reads = None
+    if settings.db_url.startswith("postgresql"):
+        reads = AsyncReads(settings.db_url, pool_timeout=settings.db_pool_timeout_s)
+        await reads.open()
+    app.state.async_reads = reads
+    try:
+        yield
+    finally:
+        app.state.async_reads = None
+        if reads is not None:
+            await reads.close()
     await app.state.feed_hub.close()
     # Close the pooled connections now, not whenever the engines are collected: a stopped
     # API (or a test's app) must leave no idle PostgreSQL sessions behind.
@@ -133,6 +146,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessions, app.state.read_sessions = _sessions(settings)
+    app.state.async_reads = None  # set by the lifespan on PostgreSQL
     app.state.token_cache = TokenCache()
     app.state.feed_poll_s = FEED_POLL_S
     # One store poller per followed job for all its SSE followers (read lazily: tests swap

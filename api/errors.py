@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import psycopg
+import psycopg_pool
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -161,6 +163,9 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(OperationalError, _database_down)
     app.add_exception_handler(InterfaceError, _database_down)
     app.add_exception_handler(PoolTimeout, _pool_exhausted)
+    # The async reads (store/asyncreads.py) raise psycopg's own errors.
+    app.add_exception_handler(psycopg.OperationalError, _database_down)
+    app.add_exception_handler(psycopg_pool.PoolTimeout, _pool_exhausted)
     app.add_exception_handler(Exception, _unexpected)
 
 

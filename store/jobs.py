@@ -319,7 +319,7 @@ def _parse_time(value: Any) -> datetime | None:
 
 
 @functools.cache
-def _snapshot_stmt(dialect: str, admin: bool) -> Select[Any]:
+def snapshot_stmt(dialect: str, admin: bool) -> Select[Any]:
     """The statement of job_snapshot, built once per dialect and viewer kind (building it
     per request cost more than running it)."""
     dialect = "postgresql" if dialect == "postgresql" else "sqlite"
@@ -337,7 +337,7 @@ def _snapshot_stmt(dialect: str, admin: bool) -> Select[Any]:
     return stmt if admin else stmt.where(Job.owner_id == bindparam("user_id"))
 
 
-def _params(viewer: Viewer, job_id: str) -> dict[str, Any]:
+def viewer_params(viewer: Viewer, job_id: str) -> dict[str, Any]:
     return {"job_id": job_id} if viewer.is_admin else {"job_id": job_id, "user_id": viewer.user_id}
 
 
@@ -354,11 +354,14 @@ def job_snapshot(db: Session | Connection, viewer: Viewer, job_id: str) -> dict[
     if len(job_id) > 64:
         return None
     conn = _connection(db)
-    stmt = _snapshot_stmt("postgresql" if is_postgres(conn) else "sqlite", viewer.is_admin)
-    row = conn.execute(stmt, _params(viewer, job_id)).mappings().first()
-    if row is None:
-        return None
-    out = dict(row)
+    stmt = snapshot_stmt("postgresql" if is_postgres(conn) else "sqlite", viewer.is_admin)
+    row = conn.execute(stmt, viewer_params(viewer, job_id)).mappings().first()
+    return None if row is None else snapshot_from_row(dict(row))
+
+
+def snapshot_from_row(out: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot statement's row (a dict, changed in place) as job_snapshot returns it:
+    attempts oldest first with workers by rank, their times parsed."""
     attempts = sorted(out["attempts"] or [], key=lambda a: a["number"])
     for a in attempts:
         a["workers"] = sorted(a["workers"] or [], key=lambda w: w["rank"])
@@ -371,7 +374,7 @@ def job_snapshot(db: Session | Connection, viewer: Viewer, job_id: str) -> dict[
 
 # --- the version: what a conditional GET reads instead of the whole job ----------------
 
-_VERSION = {
+VERSION_STMTS = {
     True: select(Job.version).where(Job.id == bindparam("job_id")),
     False: select(Job.version).where(
         Job.id == bindparam("job_id"), Job.owner_id == bindparam("user_id")
@@ -384,7 +387,11 @@ def job_version(db: Session | Connection, viewer: Viewer, job_id: str) -> int | 
     visible to the viewer. It changes whenever the job row or its metrics do."""
     if len(job_id) > 64:
         return None
-    version = _connection(db).execute(_VERSION[viewer.is_admin], _params(viewer, job_id)).scalar()
+    version = (
+        _connection(db)
+        .execute(VERSION_STMTS[viewer.is_admin], viewer_params(viewer, job_id))
+        .scalar()
+    )
     return int(version) if version is not None else None
 
 

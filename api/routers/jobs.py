@@ -24,6 +24,7 @@ from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
 from torchyard.broker import app as broker
 from torchyard.scheduler.policy import Kind, describe_kind, kind_of
+from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.jobs import (
     BadCursor,
     IdempotencyConflict,
@@ -328,9 +329,14 @@ async def get_job_route(
     user: CurrentUser,
     if_none_match: Annotated[str | None, Header(max_length=1000)] = None,
 ) -> Response:
-    # The hot read path: one statement (two for a changed conditional poll) in one
-    # worker-thread hop, serialised once.
-    found = await run_in_threadpool(_show, read_engine(request), user, job_id, if_none_match)
+    # The hot read path: one statement (two for a changed conditional poll), serialised
+    # once; on PostgreSQL awaited on the event loop (store/asyncreads.py), else in one
+    # worker-thread hop.
+    reads: AsyncReads | None = request.app.state.async_reads
+    if reads is not None:
+        found = await _show_async(reads, user, job_id, if_none_match)
+    else:
+        found = await run_in_threadpool(_show, read_engine(request), user, job_id, if_none_match)
     if found is None:
         raise not_found()
     tag, body = found
@@ -353,6 +359,24 @@ def _show(
             if etag_matches(if_none_match, tag):
                 return tag, None
         row = job_snapshot(conn, user.viewer, job_id)
+    return _shown(job_id, row)
+
+
+async def _show_async(
+    reads: AsyncReads, user: Principal, job_id: str, if_none_match: str | None
+) -> tuple[str, bytes | None] | None:
+    """`_show` over the async reads."""
+    if if_none_match is not None:
+        version = await reads.job_version(user.viewer, job_id)
+        if version is None:
+            return None
+        tag = etag(job_id, version)
+        if etag_matches(if_none_match, tag):
+            return tag, None
+    return _shown(job_id, await reads.job_snapshot(user.viewer, job_id))
+
+
+def _shown(job_id: str, row: dict[str, Any] | None) -> tuple[str, bytes] | None:
     if row is None:
         return None
     return etag(job_id, row["version"]), job_out(row).model_dump_json().encode()

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 from torchyard_testdb import Factory
 
+from torchyard.store.asyncreads import _compiled
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import bump_version
 from torchyard.store.metrics import ingest_metrics
@@ -20,7 +21,8 @@ from torchyard.store.states import RUNNING
 
 @contextmanager
 def _statements(app: Any) -> Iterator[list[str]]:
-    """The SQL queries (SQLite's BEGIN aside) the API's read sessions run meanwhile."""
+    """The SQL queries (SQLite's BEGIN aside) the API's read sessions and, on PostgreSQL,
+    its async reads (store/asyncreads.py) run meanwhile."""
     engine = app.state.read_sessions.kw["bind"]
     seen: list[str] = []
 
@@ -28,11 +30,22 @@ def _statements(app: Any) -> Iterator[list[str]]:
         if statement.split()[0].upper() not in ("BEGIN", "COMMIT", "ROLLBACK"):
             seen.append(statement)
 
+    reads = app.state.async_reads
+    if reads is not None:
+        run = reads._row
+
+        async def recorded(which: str, viewer: Any, job_id: str) -> Any:
+            seen.append(_compiled(which, viewer.is_admin).sql)
+            return await run(which, viewer, job_id)
+
+        reads._row = recorded
     event.listen(engine, "before_cursor_execute", record)
     try:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", record)
+        if reads is not None:
+            del reads._row
 
 
 def _ingest(db_url: str, job_id: str, step: int) -> None:

@@ -24,6 +24,7 @@ from sqlalchemy.orm import sessionmaker
 from torchyard_testdb import Factory
 
 from torchyard.api.app import SHED_WAITING_PER_THREAD, create_app
+from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import make_engine, session_scope
 from torchyard.store.metrics import ingest_metrics
@@ -212,17 +213,33 @@ def test_pool_exhaustion_and_store_outage_are_503_with_retry_after(
         assert c.get(f"/v1/jobs/{job}", headers=auth).status_code == 200  # token now cached
         engines = [f.kw["bind"] for f in (app.state.sessions, app.state.read_sessions)]
         held = [e.connect() for e in engines for _ in range(e.pool.size() + e.pool._max_overflow)]
+        reads = app.state.async_reads  # PostgreSQL: GET /v1/jobs/{id} reads through these
+        lent = []
+        if reads is not None:
+            lent = [c.portal.wrap_async_context_manager(reads.connection()) for _ in range(10)]
         try:
+            for cm in lent:
+                cm.__enter__()
             _all_503(c, job, auth, "busy")
         finally:
             for conn in held:
                 conn.close()
+            for cm in lent:
+                cm.__exit__(None, None, None)
         assert c.get(f"/v1/jobs/{job}", headers=auth).status_code == 200  # and it recovers
 
         # The store goes away: nothing listens where the database was.
-        gone = make_engine("postgresql+psycopg://postgres@127.0.0.1:1/gone", pool_timeout=0.2)
+        nowhere = "postgresql+psycopg://postgres@127.0.0.1:1/gone"
+        gone = make_engine(nowhere, pool_timeout=0.2)
         app.state.sessions = app.state.read_sessions = sessionmaker(gone)
-        _all_503(c, job, auth, "unavailable")
+        if reads is not None:
+            app.state.async_reads = AsyncReads(nowhere, pool_timeout=0.2)
+            c.portal.call(app.state.async_reads.open)
+        try:
+            _all_503(c, job, auth, "unavailable")
+        finally:
+            if reads is not None:
+                c.portal.call(app.state.async_reads.close)
 
 
 def test_metrics_without_max_points_come_in_pages(
