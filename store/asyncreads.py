@@ -94,36 +94,48 @@ class AsyncReads:
     async def close(self) -> None:
         await self.pool.close()
 
-    @asynccontextmanager
-    async def connection(self) -> AsyncIterator[AsyncConnection[Any]]:
-        """A pooled connection. Waiting past the pool timeout while none is lent out means
-        none can be made: psycopg's OperationalError (the store is unreachable), not the
-        pool's timeout (busy)."""
+    async def _getconn(self) -> AsyncConnection[Any]:
+        """A pooled connection (give it back with `_putconn`). Waiting past the pool timeout
+        while none is lent out means none can be made: psycopg's OperationalError (the store
+        is unreachable), not the pool's timeout (busy)."""
         try:
-            async with self.pool.connection() as conn:
-                self.in_use += 1
-                try:
-                    yield conn
-                finally:
-                    self.in_use -= 1
+            conn = await self.pool.getconn()
         except PoolTimeout:
             if self.in_use == 0:
                 raise OperationalError("no connection to the database could be made") from None
             raise
+        self.in_use += 1
+        return conn
+
+    async def _putconn(self, conn: AsyncConnection[Any]) -> None:
+        self.in_use -= 1
+        await self.pool.putconn(conn)  # a broken one is dropped and replaced
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConnection[Any]]:
+        conn = await self._getconn()
+        try:
+            yield conn
+        finally:
+            await self._putconn(conn)
 
     async def _fetchone(self, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         """A connection that broke since its last use (the server restarted) is not the
         store being down: the pool drops every idle connection that broke with it, and the
-        read runs once more, on a fresh one. Reads are safe to repeat."""
+        read runs once more, on a fresh one. Reads are safe to repeat. (Bare getconn and
+        putconn, not the pool's context manager: the connections are in autocommit, there
+        is no transaction to end, and the hot path saves two context managers.)"""
         retried = False
         while True:
-            async with self.connection() as conn:
-                try:
-                    cur = await conn.execute(sql, params)
-                    return await cur.fetchone()
-                except OperationalError:
-                    if retried or not conn.broken:
-                        raise
+            conn = await self._getconn()
+            try:
+                cur = await conn.execute(sql, params)
+                return await cur.fetchone()
+            except OperationalError:
+                if retried or not conn.broken:
+                    raise
+            finally:
+                await self._putconn(conn)
             retried = True
             await self.pool.check()
 
