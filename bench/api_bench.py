@@ -3,13 +3,14 @@ clients against one uvicorn process, and a 1,000,000-point loss curve fetched wi
 max_points=1000.
 
     .venv/bin/python bench/api_bench.py [--pg postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
-        [--jobs 10000] [--points 1000000] [--concurrency 32] [--seconds 10]
+        [--jobs 10000] [--points 1000000] [--concurrency 32] [--seconds 12] [--rounds 3]
 
 It makes a throw-away database (dropped at the end), serves `torchyard api` on a free
 loopback port in its own process, and drives it from a second process with keep-alive
 HTTP/1.1 connections (asyncio streams: little client CPU). Loopback only; every loop is
-bounded in time and count. A third run polls 8 x concurrency jobs with If-None-Match (the
-ETags the warm-up collected), so unchanged jobs answer 304. Goals: GET /v1/jobs/{id} at
+bounded in time and count. The floor and the polls take turns (--rounds), so the
+machine's drift lands on both. A third kind of run polls 8 x concurrency jobs with
+If-None-Match (the ETags its warm-up collected), so unchanged jobs answer 304. Goals: GET /v1/jobs/{id} at
 >= 0.3 x the /healthz floor of the same run with p99 <= 50 ms; curve <= 100 ms.
 """
 
@@ -200,28 +201,31 @@ def get_json(url: str, token: str) -> tuple[dict, float]:
 
 
 def _load(
-    port: int, token: str, ids: list[str], args: argparse.Namespace, cond: bool
-) -> tuple[str, float]:
-    """One load run in its own process; returns its summary line and req/s."""
+    port: int, token: str, ids: list[str], args: argparse.Namespace, cond: bool, seconds: float
+) -> tuple[list[float], Counter[str], float]:
+    """One load run in its own process: (latencies, status counts, seconds)."""
     q: mp.Queue = mp.Queue()
-    p = mp.Process(
-        target=load_process, args=(port, token, ids, args.concurrency, args.seconds, cond, q)
-    )
+    p = mp.Process(target=load_process, args=(port, token, ids, args.concurrency, seconds, cond, q))
     p.start()
-    lat, codes, elapsed = q.get(timeout=args.seconds + 120)
+    lat, codes, elapsed = q.get(timeout=seconds + 120)
     p.join(timeout=30)
-    lat.sort()
+    return lat, codes, elapsed
+
+
+def _summary(lat: list[float], codes: Counter[str], elapsed: float, conc: int) -> str:
+    lat = sorted(lat)
     pct = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] * 1000  # noqa: E731
-    rate = len(lat) / elapsed
-    line = (
-        f"{len(lat)} requests in {elapsed:.1f} s at {args.concurrency} clients: {rate:.0f} "
+    return (
+        f"{len(lat)} requests in {elapsed:.1f} s at {conc} clients: {len(lat) / elapsed:.0f} "
         f"req/s, p50 {pct(0.50):.1f} ms, p99 {pct(0.99):.1f} ms, max {lat[-1] * 1000:.1f} ms, "
         f"errors {codes['error']}" + (f", 304s {codes['304']}" if codes["304"] else "")
     )
-    return line, rate
 
 
 def _polls(port: int, token: str, ids: list[str], args: argparse.Namespace) -> None:
+    """The floor and the job polls take turns, `--rounds` times, each run a share of
+    `--seconds`: this machine's speed drifts by tens of percent over a minute, and runs
+    one after the other would put that drift into the ratio."""
     runs = (
         ("GET /healthz (floor)", [], False),
         ("GET /v1/jobs/{id}", ids, False),
@@ -232,10 +236,20 @@ def _polls(port: int, token: str, ids: list[str], args: argparse.Namespace) -> N
             True,
         ),
     )
-    rates: dict[str, float] = {}
-    for label, targets, cond in runs:
-        line, rates[label] = _load(port, token, targets, args, cond)
-        print(f"{label}: {line}")
+    totals = {label: ([], Counter(), 0.0) for label, _, _ in runs}
+    for _ in range(args.rounds):
+        for label, targets, cond in runs:
+            lat, codes, elapsed = _load(
+                port, token, targets, args, cond, args.seconds / args.rounds
+            )
+            all_lat, all_codes, spent = totals[label]
+            all_lat.extend(lat)
+            all_codes.update(codes)
+            totals[label] = (all_lat, all_codes, spent + elapsed)
+    rates = {}
+    for label, (lat, codes, elapsed) in totals.items():
+        rates[label] = len(lat) / elapsed
+        print(f"{label}: {_summary(lat, codes, elapsed, args.concurrency)}")
     floor = rates["GET /healthz (floor)"]
     for label, _, _ in runs[1:]:
         print(f"{label} runs at {rates[label] / floor:.2f} x the floor's rate")
@@ -268,7 +282,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=10_000)
     ap.add_argument("--points", type=int, default=1_000_000)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--seconds", type=float, default=12.0, help="per kind of request")
+    ap.add_argument("--rounds", type=int, default=3, help="turns the kinds take")
     args = ap.parse_args()
 
     with scratch_postgres(args.pg, f"ty_bench_{os.getpid()}") as url:
