@@ -1,0 +1,1 @@
+"""The store: data access over SQLAlchemy (PostgreSQL or SQLite); see docs/architecture.md."""

@@ -1,3 +1,5 @@
+"""`python -m torchyard`: the same command line as the `torchyard` script."""
+
 import sys
 
 from torchyard.cli import main
