@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 
 
 def main(argv: list[str]) -> int:
@@ -18,8 +19,10 @@ def main(argv: list[str]) -> int:
     from torchyard.store.settings import get_settings
 
     settings = get_settings()  # validated now, so a bad variable fails before binding
+    app = create_app(settings)
+    freeze_startup_heap()
     uvicorn.run(
-        create_app(settings),
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -27,3 +30,14 @@ def main(argv: list[str]) -> int:
         proxy_headers=False,
     )
     return 0
+
+
+def freeze_startup_heap() -> None:
+    """Moves what start-up built (modules, the app, its routes and models: it lives as long
+    as the process) out of the garbage collector's reach. A full collection then walks only
+    what requests allocated: ~2 ms instead of ~45 ms, which at a few thousand requests a
+    second stalled the event loop, and every request in flight, about once a second
+    (bench/api_bench.py's p99). Here, not in the app's lifespan: a test process that builds
+    many apps must keep collecting the ones it drops."""
+    gc.collect()
+    gc.freeze()

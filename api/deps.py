@@ -2,7 +2,10 @@
 
 Tokens are looked up by their hash; a hit is cached in the process for a few seconds
 (TOKEN_CACHE_TTL_S), so the hot read routes cost no token query. A revoked token may
-therefore keep working for up to that long in a running API process.
+therefore keep working for up to that long in a running API process. The requests that miss
+while a lookup is under way share it: when a busy client's entry expires, its dozens of
+requests in flight make one query, not one each queued for the few store threads (that
+queue was the API's tail latency every TTL, bench/api_bench.py).
 
 The dashboard authenticates with a session cookie instead (store/uisessions.py), which
 acts as the token that made it; without an Authorization header the cookie is looked up
@@ -13,9 +16,10 @@ the cookie (SameSite=Strict already stops that in current browsers) but cannot k
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -53,11 +57,50 @@ class Principal:
 
 
 class TokenCache:
-    """Positive lookups only (an unknown token always reaches the database), bounded."""
+    """Positive lookups only (an unknown token always reaches the database), bounded; one
+    lookup at a time per token (`fetch`)."""
 
     def __init__(self, ttl_s: float = TOKEN_CACHE_TTL_S, max_entries: int = TOKEN_CACHE_MAX):
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._entries: dict[str, tuple[float, Principal]] = {}
+        self._pending: dict[str, asyncio.Task[Principal | None]] = {}
+
+    async def fetch(
+        self, token_hash: str, load: Callable[[], Awaitable[Principal | None]]
+    ) -> Principal | None:
+        """The cached principal, else the result of one `load` shared by every caller that
+        misses until it ends (its error too: the store is down for all of them). The load
+        runs as its own task, so a caller that goes away (client disconnect) does not cancel
+        it for the others; a caller on another event loop (tests' portals) loads its own."""
+        hit = self.get(token_hash)
+        if hit is not None:
+            return hit
+        task = self._pending.get(token_hash)
+        if task is None or task.get_loop() is not asyncio.get_running_loop():
+            task = asyncio.ensure_future(self._load(token_hash, load))
+            task.add_done_callback(_retrieve)
+            self._pending[token_hash] = task
+        return await asyncio.shield(task)
+
+    async def _load(
+        self, token_hash: str, load: Callable[[], Awaitable[Principal | None]]
+    ) -> Principal | None:
+        try:
+            principal = await load()
+        except BaseException:
+            self._settle(token_hash)
+            raise
+        # Cached only if nothing dropped the token meanwhile (a logout during the lookup).
+        if self._settle(token_hash) and principal is not None:
+            self.put(token_hash, principal)
+        return principal
+
+    def _settle(self, token_hash: str) -> bool:
+        """Ends the running task's lookup; False if `drop` or `clear` came first."""
+        if self._pending.get(token_hash) is not asyncio.current_task():
+            return False
+        del self._pending[token_hash]
+        return True
 
     def get(self, token_hash: str) -> Principal | None:
         hit = self._entries.get(token_hash)
@@ -72,9 +115,17 @@ class TokenCache:
 
     def drop(self, token_hash: str) -> None:
         self._entries.pop(token_hash, None)
+        self._pending.pop(token_hash, None)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._pending.clear()
+
+
+def _retrieve(task: asyncio.Task[Principal | None]) -> None:
+    """Marks a shared lookup's error as seen: its waiters may all have gone away."""
+    if not task.cancelled():
+        task.exception()
 
 
 def get_settings(request: Request) -> Settings:
@@ -122,13 +173,8 @@ def _unauthorized(message: str) -> ApiError:
 async def _principal(request: Request, secret: str, cookie: bool) -> Principal | None:
     key = ("session:" if cookie else "") + hash_token(secret)
     cache: TokenCache = request.app.state.token_cache
-    principal = cache.get(key)
-    if principal is None:
-        factory = request.app.state.read_sessions
-        principal = await run_in_threadpool(_lookup, factory, secret, cookie)
-        if principal is not None:
-            cache.put(key, principal)
-    return principal
+    factory = request.app.state.read_sessions
+    return await cache.fetch(key, lambda: run_in_threadpool(_lookup, factory, secret, cookie))
 
 
 class BearerAuth(HTTPBearer):
