@@ -93,6 +93,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# What a soak may take beyond its minutes: starting the cluster, draining the jobs still
+# running when the faults stop, and the checks (the bounded run takes 2-3 minutes).
+SOAK_ALLOWANCE_S = 600
+
+
+def soak_timeout_s(minutes: float) -> float:
+    return minutes * 60 + SOAK_ALLOWANCE_S
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A soak (`--chaos-minutes N`) outlasts the suite's per-test timeout (pyproject's 600 s),
+    which used to kill any soak of more than about 7 minutes before its checks ran: the
+    chaos test gets the soak's own length plus SOAK_ALLOWANCE_S."""
+    minutes = config.getoption("--chaos-minutes")
+    if not minutes:
+        return
+    for item in items:
+        if item.get_closest_marker("chaos") is not None:
+            item.add_marker(pytest.mark.timeout(soak_timeout_s(minutes)))
+
+
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A folder on a small tmpfs filled to ENOSPC (needs root; required under CI)."""
