@@ -131,23 +131,37 @@ def mark_launched(
     bump_version_of_attempt(session, a.attempt_id)
 
 
-def set_endpoint(session: Session, attempt_id: int, endpoint: str) -> None:
+def set_endpoint(
+    session: Session, attempt_id: int, endpoint: str, *, resumed_from: str | None
+) -> None:
+    """Rank 0's rendezvous endpoint and the checkpoint it resumes from, in one write: the
+    other ranks resume from exactly that one (their own look-up could run before rank 0
+    recorded an earlier attempt's last checkpoint, and start a step apart)."""
     fence(session, attempt_id)
     session.execute(
         update(Attempt)
         .where(Attempt.id == attempt_id)
-        .values(rank0_endpoint=endpoint)
+        .values(rank0_endpoint=endpoint, resumed_from=resumed_from)
         .execution_options(synchronize_session=False)
     )
     bump_version_of_attempt(session, attempt_id)
 
 
-def read_endpoint(session: Session, attempt_id: int) -> tuple[str | None, str | None]:
-    """(rank 0's endpoint or None, the attempt's state)."""
+class Endpoint(NamedTuple):
+    """What a rank other than 0 reads while it waits for rank 0."""
+
+    endpoint: str | None  # rank 0's host:port; None until published
+    state: str | None  # the attempt's state; None when the attempt is gone
+    resumed_from: str | None  # the checkpoint every rank resumes from (None: fresh start)
+
+
+def read_endpoint(session: Session, attempt_id: int) -> Endpoint:
     row = session.execute(
-        select(Attempt.rank0_endpoint, Attempt.state).where(Attempt.id == attempt_id)
+        select(Attempt.rank0_endpoint, Attempt.state, Attempt.resumed_from).where(
+            Attempt.id == attempt_id
+        )
     ).first()
-    return (row[0], row[1]) if row else (None, None)
+    return Endpoint(*row) if row else Endpoint(None, None, None)
 
 
 def attempt_hosts(session: Session, attempt_id: int) -> list[str]:

@@ -10,7 +10,10 @@ Faults, and what this module does about them:
   (`worker/watchdog.py`) stops the trainer before the reaper could give the job away;
 - the trainer has exited: recording the end is retried until the store answers or says
   the attempt is over (a fenced write), never abandoned;
-- the attempt was ended elsewhere: every write is fenced, the trainer is killed.
+- the attempt was ended elsewhere: every write is fenced, the trainer is killed;
+- an earlier attempt died with its last checkpoint unrecorded: rank 0 records it, then
+  picks the checkpoint and publishes the pick with its endpoint; every rank resumes from
+  that one (`_prepare`), so a gang never starts a step apart.
 """
 
 from __future__ import annotations
@@ -54,7 +57,14 @@ from torchyard.store.attempts import (
 )
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced
-from torchyard.store.paths import EVENTS_FILE, LOG_FILE, SPEC_FILE, job_dir
+from torchyard.store.paths import (
+    EVENTS_FILE,
+    LOG_FILE,
+    SPEC_FILE,
+    UnsafePath,
+    job_dir,
+    resolve_inside,
+)
 from torchyard.store.settings import Settings
 from torchyard.store.states import CANCELLING
 from torchyard.trainer.eventfiles import rank_events_file
@@ -157,6 +167,13 @@ def claim(ctx: WorkerContext, assignment_id: int) -> Claimed | None:
         return claim_rank(s, assignment_id, ctx.worker_id)
 
 
+class Rendezvous(NamedTuple):
+    """What every rank of an attempt agrees on before its launch."""
+
+    master: tuple[str, int] | None  # rank 0's (host, port); None for one rank
+    resumed_from: str | None  # rank 0's pick, relative to the run dir; None: fresh start
+
+
 class Prepared(NamedTuple):
     """What the launch needs, found before it."""
 
@@ -225,12 +242,13 @@ class Supervision:
             log.info("job %s: ingested %d events left by earlier attempts", self.c.job_id, n)
         return tail.offset
 
-    def _rendezvous(self) -> tuple[str, int] | None:
-        """Rank 0 publishes host:port; the others wait for it (None: gave up). A loopback
-        address for ranks on several hosts is refused (BadEndpoint): they would wait in
-        torchrun's rendezvous until it timed out."""
+    def _rendezvous(self, resumed_from: str | None) -> Rendezvous | None:
+        """Rank 0 publishes host:port with the checkpoint it resumes from (`resumed_from`);
+        the others wait for both (None: gave up). A loopback address for ranks on several
+        hosts is refused (BadEndpoint): they would wait in torchrun's rendezvous until it
+        timed out."""
         if self.c.world_size == 1:
-            return None
+            return Rendezvous(None, resumed_from)
         if self.c.rank == 0:
             addr, port = self.ctx.advertise_addr, free_port()
             if is_loopback(addr):
@@ -242,18 +260,37 @@ class Supervision:
                         "TORCHYARD_ADVERTISE_ADDR (or --advertise-addr) on that worker to an "
                         "address the other hosts reach"
                     )
-            self._tx(lambda s: set_endpoint(s, self.c.attempt_id, f"{addr}:{port}"))
-            return addr, port
+            endpoint = f"{addr}:{port}"
+            self._tx(
+                lambda s: set_endpoint(s, self.c.attempt_id, endpoint, resumed_from=resumed_from)
+            )
+            return Rendezvous((addr, port), resumed_from)
         deadline = time.monotonic() + self.ctx.settings.rendezvous_timeout_s
         while time.monotonic() < deadline and not self.ctx.stopping.is_set():
-            endpoint, state = self._tx(lambda s: read_endpoint(s, self.c.attempt_id))
-            if state not in ATTEMPT_ACTIVE:
-                raise Fenced(self.c.attempt_id, state)
-            if endpoint:
-                host, _, port = endpoint.rpartition(":")
-                return host, int(port)
+            got = self._tx(lambda s: read_endpoint(s, self.c.attempt_id))
+            if got.state not in ATTEMPT_ACTIVE:
+                raise Fenced(self.c.attempt_id, got.state)
+            if got.endpoint:
+                host, _, port = got.endpoint.rpartition(":")
+                return Rendezvous((host, int(port)), got.resumed_from)
             time.sleep(0.2)
         return None
+
+    def _resume_path(self, rel: str | None) -> Path | None:
+        """The checkpoint rank 0 picked (relative to the run dir), as this worker sees it."""
+        if rel is None:
+            return None
+        try:
+            path = resolve_inside(self.run_dir, rel)
+        except UnsafePath:
+            path = None
+        if path is None or not path.is_file():
+            raise StorageNotShared(
+                f"rank 0 resumes from {rel}, which worker {self.ctx.worker_id} cannot read "
+                f"under {self.run_dir}: every worker must see the same storage "
+                "(TORCHYARD_STORAGE_ROOT)"
+            )
+        return path
 
     def _log_line(self, text: str) -> None:
         """A marker in the job log. Best effort: a full disk must not wedge the worker."""
@@ -516,30 +553,34 @@ class Supervision:
         return state
 
     def _prepare(self) -> Prepared | Decision:
-        """Everything before the launch; a Decision when the attempt ends here."""
+        """Everything before the launch; a Decision when the attempt ends here. Rank 0
+        records what earlier attempts left and picks the checkpoint to resume from; the
+        other ranks take that pick at the rendezvous, never one of their own."""
         spec_path = self._write_spec()
-        start = self._ingest_backlog() if self.c.rank == 0 else 0
-        found = self._tx(lambda s: latest_resume_checkpoint(s, self.c.job_id, self.run_dir))
-        resume = init = None
-        if found is not None:
-            self.resume_rel, resume = found
-        elif (row := self._tx(lambda s: init_source(s, self.c.spec))) is not None:
-            init = init_file(self.ctx.settings, row)
+        start, picked = 0, None
+        if self.c.rank == 0:
+            start = self._ingest_backlog()  # may record the last checkpoint: look after it
+            found = self._tx(lambda s: latest_resume_checkpoint(s, self.c.job_id, self.run_dir))
+            picked = found[0] if found is not None else None
         code = code_dir(self.ctx.settings, self.c.spec)
-        master = self._rendezvous()
-        if self.c.world_size > 1 and master is None:
+        rdv = self._rendezvous(picked)
+        if rdv is None:
             if self.ctx.stopping.is_set():
                 return Decision(A_HANDED_BACK, f"worker {self.ctx.worker_id} stopping", None, False)
             t = self.ctx.settings.rendezvous_timeout_s
             return Decision(
                 A_LOST, f"rendezvous: rank 0's endpoint not published within {t:g}s", None, True
             )
-        return Prepared(spec_path, resume, master, start, code, init)
+        self.resume_rel = rdv.resumed_from
+        resume, init = self._resume_path(rdv.resumed_from), None
+        if resume is None and (row := self._tx(lambda s: init_source(s, self.c.spec))) is not None:
+            init = init_file(self.ctx.settings, row)
+        return Prepared(spec_path, resume, rdv.master, start, code, init)
 
     def _launch_failed(self, e: Exception) -> Decision:
         if isinstance(e, InputError):  # the job's bundle or init: the same next time
             return Decision(A_FAILED, str(e), str(e), False)
-        if isinstance(e, BadEndpoint):  # the worker's setting, not the job: counted, retried
+        if isinstance(e, BadEndpoint | StorageNotShared):  # the workers' setup: counted, retried
             return Decision(A_FAILED, str(e), str(e), True)
         why = f"launch failed on worker {self.ctx.worker_id}: {e}"
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -585,6 +626,10 @@ class Supervision:
 
 class BadEndpoint(RuntimeError):
     """Rank 0's rendezvous address cannot work for this attempt's hosts."""
+
+
+class StorageNotShared(RuntimeError):
+    """A rank cannot read the checkpoint rank 0 resumes from."""
 
 
 def peer_decides_first(e: Ending, d: Decision) -> bool:

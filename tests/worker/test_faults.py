@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from sqlalchemy import func, select, update
 from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
+from torchyard.store.attempts import set_endpoint
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced, finish_attempt
 from torchyard.store.models import Attempt, Checkpoint, Job, Metric, Worker, utcnow
@@ -26,11 +28,18 @@ from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
 from torchyard.store.settings import Settings
 from torchyard.store.states import A_LOST, A_SUCCEEDED
 from torchyard.store.workers import heartbeat, reap_stale_workers
+from torchyard.worker import supervisor
 from torchyard.worker.events import EventRecorder
 from torchyard.worker.identity import Device
 from torchyard.worker.outcome import STOP_STORE_LOST, STOP_WORKER, Ending, decide
 from torchyard.worker.scheduler import Scheduler
-from torchyard.worker.supervisor import Claimed, Supervision, WorkerContext, retry_until
+from torchyard.worker.supervisor import (
+    Claimed,
+    Prepared,
+    Supervision,
+    WorkerContext,
+    retry_until,
+)
 from torchyard.worker.watchdog import Watchdog
 
 
@@ -93,6 +102,95 @@ def test_ingest_resumes_where_the_store_stopped_and_old_events_never_move_the_jo
         assert job is not None and job.state == "starting"  # attempt 1's `finished` ignored
         assert s.get(Attempt, a2.id).events_offset == start  # type: ignore[union-attr]
     assert not sup.recorder.outcome.finished
+
+
+def _retried_gang(db_url: str, run_dir_of: Any) -> tuple[str, list[Claimed]]:
+    """A world_size-2 job whose attempt 1 was lost after its trainer wrote a checkpoint
+    the store never recorded (still in events.jsonl, file on disk); attempt 2 scheduled on
+    w0 and w1. Returns (job id, the two ranks' claims, rank 0 first)."""
+    with session_scope(db_url) as s:
+        make_worker(s, "w0")
+        make_worker(s, "w1")
+        job = make_job(s, world_size=2)
+        job_id, spec = job.id, dict(job.spec)
+        schedule(s, heartbeat_timeout_s=10)
+        a1 = s.scalars(select(Attempt.id).where(Attempt.job_id == job_id)).one()
+    run_dir = run_dir_of(job_id)
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "s3.pt").write_bytes(b"weights")
+    (run_dir / EVENTS_FILE).write_text(
+        _line(type="metric", attempt=1, step=3, name="train/loss", value=0.5)
+        + _line(
+            type="checkpoint", attempt=1, step=3, path="checkpoints/s3.pt", bytes=7, sha256="a" * 64
+        )
+    )
+    with session_scope(db_url) as s:
+        assert finish_attempt(s, a1, A_LOST, reason="worker lost") == "queued"
+        for w in s.scalars(select(Worker)):
+            w.state, w.current_job_id = "idle", None
+        dispatches = schedule(s, heartbeat_timeout_s=10)
+        a2 = s.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == 2)).one()
+        claims = [
+            Claimed(d.assignment_id, a2.id, 2, job_id, d.rank, 2, spec, False)
+            for d in sorted(dispatches, key=lambda d: d.rank)
+        ]
+    return job_id, claims
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_picked(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's worker used to look up the resume checkpoint itself, before rank 0's had
+    recorded the previous attempt's last checkpoint from its backlog: rank 0 resumed from
+    step 3 and rank 1 started fresh, a step apart (the chaos soak saw the gang hang at its
+    next checkpoint; weights that differ from an uninterrupted run are the other way it
+    shows). Now rank 0 publishes its pick with its endpoint, and every rank takes it."""
+    settings = _settings(db_url, tmp_path)
+    job_id, (c0, c1) = _retried_gang(db_url, lambda j: job_dir(settings.storage, j))
+    waiting = threading.Event()
+    real_read = supervisor.read_endpoint
+
+    def read_endpoint(*args: Any) -> Any:
+        waiting.set()  # rank 1 has done all it does before the rendezvous
+        return real_read(*args)
+
+    monkeypatch.setattr(supervisor, "read_endpoint", read_endpoint)
+    device = Device("cpu", None, "cpu", None)
+    rank1 = Supervision(WorkerContext(settings, "w1", device, "127.0.0.1"), c1)
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(p=rank1._prepare()))
+    t.start()
+    assert waiting.wait(30)
+    p0 = Supervision(WorkerContext(settings, "w0", device, "127.0.0.1"), c0)._prepare()
+    t.join(30)
+    expected = job_dir(settings.storage, job_id) / "checkpoints" / "s3.pt"
+    assert isinstance(p0, Prepared) and p0.resume == expected
+    assert isinstance(got["p"], Prepared) and got["p"].resume == expected
+    assert got["p"].master == p0.master and rank1.resume_rel == "checkpoints/s3.pt"
+    with session_scope(db_url) as s:
+        a2 = s.get(Attempt, c0.attempt_id)
+        assert a2 is not None and a2.resumed_from == "checkpoints/s3.pt"
+
+
+def test_a_rank_that_cannot_read_rank_0s_checkpoint_fails_the_attempt_naming_the_storage(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Workers that do not share TORCHYARD_STORAGE_ROOT: rank 1 used to start fresh beside a
+    resumed rank 0. Now its attempt fails (counted, retried) and says why."""
+    settings = _settings(db_url, tmp_path)
+    job_id, (c0, c1) = _retried_gang(db_url, lambda j: job_dir(settings.storage, j))
+    with session_scope(db_url) as s:  # what rank 0's worker publishes
+        set_endpoint(s, c0.attempt_id, "127.0.0.1:29500", resumed_from="checkpoints/s3.pt")
+    elsewhere = _settings(db_url, tmp_path / "other-host")  # its own, empty storage
+    device = Device("cpu", None, "cpu", None)
+    Supervision(WorkerContext(elsewhere, "w1", device, "127.0.0.1"), c1).run()
+    with session_scope(db_url) as s:
+        a2 = s.get(Attempt, c1.attempt_id)
+        assert a2 is not None and a2.state == "failed", a2.state if a2 else None
+        assert "checkpoints/s3.pt" in (a2.reason or "")
+        assert "TORCHYARD_STORAGE_ROOT" in (a2.reason or "")
+        job = s.get(Job, job_id)
+        assert job is not None and job.state == "queued"  # retried, not given up
 
 
 def test_a_stale_attempt_cannot_write(db_url: str) -> None:
