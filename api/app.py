@@ -33,12 +33,12 @@ from torchyard.api.routers import (
     users,
     workers,
 )
+from torchyard.contracts.spec import JobSpec
+from torchyard.settings import Settings, get_settings
 from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.db import make_engine
 from torchyard.store.inventory import job_counts, worker_counts
 from torchyard.store.paths import LOG_FILE, job_dir
-from torchyard.store.settings import Settings, get_settings
-from torchyard.trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from torchyard.api.app import create_app
-    from torchyard.store.settings import get_settings
+    from torchyard.settings import get_settings
 
     settings = get_settings()  # validated now, so a bad variable fails before binding
     app = create_app(settings)

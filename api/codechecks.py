@@ -15,11 +15,11 @@ from sqlalchemy.orm import Session
 
 from torchyard.api.deps import Principal
 from torchyard.api.errors import ApiError
+from torchyard.contracts.spec import CodeSpec, EntrypointSpec, InitSpec, JobSpec
 from torchyard.store.bundlefiles import archive_path
 from torchyard.store.bundles import bundle_names, get_bundle
 from torchyard.store.checkpoints import init_checkpoint, list_checkpoints
 from torchyard.store.jobs import get_job
-from torchyard.trainer.spec import CodeSpec, EntrypointSpec, InitSpec, JobSpec
 
 Problems = list[tuple[str, str]]
 # Names of the bundle's .py files shown when its entrypoint script is not among them.

@@ -31,9 +31,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from torchyard.api.errors import ApiError
+from torchyard.settings import Settings
 from torchyard.store.auth import hash_token, user_for_token
 from torchyard.store.jobs import Viewer
-from torchyard.store.settings import Settings
 from torchyard.store.uisessions import csrf_token, user_for_session
 
 TOKEN_CACHE_TTL_S = 5.0

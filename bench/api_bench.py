@@ -46,7 +46,7 @@ SPEC = {
 
 def _insert_jobs(url: str, n_jobs: int) -> tuple[str, list[str]]:
     """A user with a token and `n_jobs` running jobs, each with one attempt and event."""
-    from torchyard.trainer.spec import parse_spec, spec_to_dict
+    from torchyard.contracts.spec import parse_spec, spec_to_dict
 
     spec = spec_to_dict(parse_spec(SPEC))
     with session_scope(url) as s:

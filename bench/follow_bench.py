@@ -37,13 +37,13 @@ from fastapi import FastAPI
 from sqlalchemy import event
 
 from torchyard.api.app import create_app
+from torchyard.settings import Settings
 from torchyard.store.auth import create_token, get_or_create_user
 from torchyard.store.db import dispose_engines, session_scope
 from torchyard.store.jobs import create_job
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.migrate import upgrade
 from torchyard.store.models import Job
-from torchyard.store.settings import Settings
 from torchyard.store.states import RUNNING, STARTING, SUCCEEDED, transition
 
 RETRIES: list[int] = []  # connects shed with 503 and retried

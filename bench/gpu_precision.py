@@ -34,12 +34,12 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from trainer_vs_seed import write_cifar  # noqa: E402
 
+from torchyard.contracts.spec import parse_spec  # noqa: E402
 from torchyard.trainer.data import Normalizer, load_dataset  # noqa: E402
 from torchyard.trainer.distributed import Dist  # noqa: E402
 from torchyard.trainer.events import MemoryEvents  # noqa: E402
 from torchyard.trainer.loop import Run, run  # noqa: E402
 from torchyard.trainer.models import build_model  # noqa: E402
-from torchyard.trainer.spec import parse_spec  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "resnet18_cifar10_amp.yaml"
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}

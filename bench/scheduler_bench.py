@@ -71,11 +71,11 @@ import torchyard.scheduler.cycle as cycle
 import torchyard.store.queue as queue
 import torchyard.store.states as states
 from torchyard.scheduler.cycle import MAX_RANKS_PER_PASS, run_pass, schedule
+from torchyard.settings import Settings
 from torchyard.store.db import dispose_engines, session_scope
 from torchyard.store.migrate import downgrade
 from torchyard.store.models import Assignment, Attempt, Job, User, Worker, utcnow
 from torchyard.store.queue import FreeWorker, QueuedJob, Started
-from torchyard.store.settings import Settings
 from torchyard.store.states import A_STARTING, QUEUED, STARTING
 from torchyard.store.workers import BUSY, IDLE
 

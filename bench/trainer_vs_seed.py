@@ -196,10 +196,10 @@ def trainer_run(data_root: Path, run_dir: Path, model: dict, data: str, epochs: 
     """(c) The trainer's own loop (trainer.loop.run, what `python -m torchyard.trainer` calls), in this
     process so that CPU time can be read, writing its real events file and checkpoints.
     Timed from its `started` event to its last end-of-epoch checkpoint event."""
+    from torchyard.contracts.spec import parse_spec
     from torchyard.trainer.distributed import Dist
     from torchyard.trainer.events import JsonlEvents
     from torchyard.trainer.loop import Run, run
-    from torchyard.trainer.spec import parse_spec
 
     spec = parse_spec(
         {

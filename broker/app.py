@@ -3,7 +3,7 @@ the workers: task and queue names, wake-ups, and the consumer factory.
 
 The store is the truth; the broker is only a wake-up. Messages are JSON and carry ids
 only. Celery is imported lazily so that importing `torchyard.broker` stays cheap. Of ours,
-this part imports `torchyard.store.settings` only.
+this part imports `torchyard.settings` only.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 
 if TYPE_CHECKING:
     from celery import Celery

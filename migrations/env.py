@@ -6,9 +6,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
+from torchyard.settings import get_settings
 from torchyard.store.db import make_engine
 from torchyard.store.models import Base
-from torchyard.store.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata

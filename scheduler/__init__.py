@@ -2,4 +2,4 @@
 wait. `policy.py` decides (pure: gang picking, placement, backfill and reservation,
 pending reasons); `cycle.py` runs one pass against the store (`store/queue.py` reads and
 writes). The process that runs passes and sends the messages is `worker/scheduler.py`.
-Of ours, this part imports `torchyard.store` and `torchyard.trainer.spec` only."""
+Of ours, this part imports `torchyard.store` and `torchyard.contracts.spec` only."""

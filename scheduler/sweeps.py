@@ -44,12 +44,14 @@ from pydantic import TypeAdapter
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from torchyard.contracts import datasets
+from torchyard.contracts import spec as job_spec
 from torchyard.scheduler import space as sp
+from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import create_job, request_cancel
 from torchyard.store.models import Job, Sweep, SweepTrial
 from torchyard.store.quotas import over_max_queued
-from torchyard.store.settings import Settings
 from torchyard.store.states import (
     CANCELLED,
     FAILED,
@@ -71,7 +73,6 @@ from torchyard.store.sweeps import (
     optuna_storage,
     trials_with_jobs,
 )
-from torchyard.trainer import spec as job_spec
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ class SweepController:
         except (job_spec.SpecError, sp.PathError) as e:
             return None, f"invalid spec: {e}"
         st = self.settings
-        problems = job_spec.limit_problems(spec, st.max_model_params, st.max_data_bytes)
+        problems = datasets.limit_problems(spec, st.max_model_params, st.max_data_bytes)
         if problems:
             return None, "invalid spec: " + "; ".join(f"{f}: {m}" for f, m in problems)
         return job_spec.spec_to_dict(spec), None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torchyard.store.settings import get_settings
+from torchyard.settings import get_settings
 
 
 def db_main(argv: list[str]) -> int:

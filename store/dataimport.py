@@ -25,8 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchyard.store.settings import get_settings
-from torchyard.trainer.spec import missing_dataset_files
+from torchyard.contracts.datasets import missing_dataset_files
+from torchyard.settings import get_settings
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 # The largest member of the official CIFAR-10 archive is ~31 MB; a bigger one is not it.

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import IO
 
-from torchyard.trainer.eventfiles import EVENTS_FILE
+from torchyard.contracts.eventfiles import EVENTS_FILE
 
 __all__ = [
     "EVENTS_FILE",

@@ -9,41 +9,36 @@ from typing import Any
 from sqlalchemy import JSON, String, cast, insert, literal, select, update
 from sqlalchemy.orm import Session
 
+from torchyard.contracts.states import (
+    ATTEMPT_ACTIVE,
+    ATTEMPT_COUNTED,
+    JOB_ACTIVE,
+    JOB_TERMINAL,
+    JOB_TRANSITIONS,
+    WORKER_LIVE,
+    AttemptState,
+    JobState,
+    WorkerState,
+    can_transition,
+)
 from torchyard.store.dialect import in_list, is_postgres, unnest
 from torchyard.store.models import Job, JobEvent, UTCDateTime, utcnow
 
-QUEUED, STARTING, RUNNING = "queued", "starting", "running"
-SUCCEEDED, FAILED, CANCELLING, CANCELLED = "succeeded", "failed", "cancelling", "cancelled"
-STATES = (QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED, CANCELLING, CANCELLED)
-TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
-ACTIVE = frozenset({STARTING, RUNNING, CANCELLING})
+# Short names for the store's queries (the tables are contracts/states.py's).
+QUEUED, STARTING, RUNNING = JobState.QUEUED, JobState.STARTING, JobState.RUNNING
+SUCCEEDED, FAILED = JobState.SUCCEEDED, JobState.FAILED
+CANCELLING, CANCELLED = JobState.CANCELLING, JobState.CANCELLED
+STATES = tuple(JobState)
+TERMINAL, ACTIVE, TRANSITIONS = JOB_TERMINAL, JOB_ACTIVE, JOB_TRANSITIONS
 
-TRANSITIONS: dict[str, frozenset[str]] = {
-    QUEUED: frozenset({STARTING, CANCELLED, FAILED}),
-    # back to queued: a lost or handed-back attempt, retried with attempt + 1
-    STARTING: frozenset({RUNNING, QUEUED, FAILED, CANCELLING, CANCELLED}),
-    RUNNING: frozenset({SUCCEEDED, FAILED, QUEUED, CANCELLING}),
-    # the trainer may finish or fail before the cancel reaches it
-    CANCELLING: frozenset({CANCELLED, SUCCEEDED, FAILED}),
-    SUCCEEDED: frozenset(),
-    FAILED: frozenset(),
-    CANCELLED: frozenset(),
-}
+W_IDLE, W_BUSY = WorkerState.IDLE, WorkerState.BUSY
+W_LOST, W_STOPPED = WorkerState.LOST, WorkerState.STOPPED
+W_LIVE = tuple(WORKER_LIVE)
 
-
-# Worker states: idle (may be assigned), busy (holds an assignment), lost (heartbeat stale),
-# stopped (deregistered, or stopping: no new work). store/workers.py re-exports them as
-# IDLE, BUSY, LOST, STOPPED.
-W_IDLE, W_BUSY, W_LOST, W_STOPPED = "idle", "busy", "lost", "stopped"
-W_LIVE = (W_IDLE, W_BUSY)
-
-# Attempt states (one try at running a job).
-A_STARTING, A_RUNNING = "starting", "running"
-A_SUCCEEDED, A_FAILED, A_LOST = "succeeded", "failed", "lost"
-A_HANDED_BACK, A_CANCELLED = "handed_back", "cancelled"
-ATTEMPT_ACTIVE = (A_STARTING, A_RUNNING)
-# Attempts that count against a job's max_restarts (a hand-back by a stopping worker does not).
-ATTEMPT_COUNTED = (A_FAILED, A_LOST)
+A_STARTING, A_RUNNING = AttemptState.STARTING, AttemptState.RUNNING
+A_SUCCEEDED, A_FAILED, A_LOST = AttemptState.SUCCEEDED, AttemptState.FAILED, AttemptState.LOST
+A_HANDED_BACK, A_CANCELLED = AttemptState.HANDED_BACK, AttemptState.CANCELLED
+__all__ = ["ATTEMPT_ACTIVE", "ATTEMPT_COUNTED", "IllegalTransition", "can_transition"]
 
 
 class IllegalTransition(Exception):
@@ -52,10 +47,6 @@ class IllegalTransition(Exception):
     def __init__(self, job_id: str, from_state: str, to_state: str, why: str = ""):
         self.job_id, self.from_state, self.to_state = job_id, from_state, to_state
         super().__init__(why or f"job {job_id} cannot go from {from_state} to {to_state}")
-
-
-def can_transition(from_state: str, to_state: str) -> bool:
-    return to_state in TRANSITIONS.get(from_state, frozenset())
 
 
 def transition(

@@ -6,9 +6,9 @@ also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("lite
   sqlalchemy, redis, kombu, …): it runs under plain torchrun.
 - `torchyard/job.py` imports torch and the standard library only at module level (and
   safetensors inside a function), so that a user's script needs nothing else of ours.
-- `trainer/spec.py` imports pydantic only (and the standard library), never torch;
-  `trainer/eventmodel.py` likewise; `trainer/__init__.py`, `trainer/exitcodes.py`,
-  `trainer/eventfiles.py` and `trainer/parent.py` import the standard library only, so
+- `contracts/spec.py` imports pydantic only (and the standard library), never torch;
+  `contracts/eventmodel.py` likewise; `trainer/__init__.py`, `contracts/exitcodes.py`,
+  `contracts/eventfiles.py` and `contracts/parent.py` import the standard library only, so
   the API and the worker load them without torch.
 - `api` and `worker` import `store`, `broker`, `scheduler` and `trainer.spec`
   (`trainer.exitcodes`, `trainer.eventfiles`, `trainer.eventmodel`, `trainer.parent` too),
@@ -22,7 +22,7 @@ also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("lite
   `trainer/` folder is `torchyard.trainer`): no file imports a bare `trainer`, `store`, ….
 
 Rules are written with the part's short name (`trainer.spec`); an import of
-`torchyard.trainer.spec` is read as that.
+`torchyard.contracts.spec` is read as that.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _module_name(path: Path) -> str:
 
 
 def _short(name: str) -> str:
-    """torchyard.trainer.spec -> trainer.spec (what the rules are written in)."""
+    """torchyard.contracts.spec -> trainer.spec (what the rules are written in)."""
     head, _, rest = name.partition(".")
     if head == "torchyard" and rest.split(".")[0] in PARTS:
         return rest
@@ -197,11 +197,11 @@ def test_the_job_module_imports_only_torch_and_the_standard_library() -> None:
 @pytest.mark.parametrize(
     ("module", "allowed"),
     [
-        ("trainer/spec.py", STDLIB | {"pydantic", "pydantic_core"}),
-        ("trainer/exitcodes.py", STDLIB),
-        ("trainer/eventfiles.py", STDLIB),
-        ("trainer/parent.py", STDLIB),
-        ("trainer/eventmodel.py", STDLIB | {"pydantic", "pydantic_core"}),
+        ("contracts/spec.py", STDLIB | {"pydantic", "pydantic_core"}),
+        ("contracts/exitcodes.py", STDLIB),
+        ("contracts/eventfiles.py", STDLIB),
+        ("contracts/parent.py", STDLIB),
+        ("contracts/eventmodel.py", STDLIB | {"pydantic", "pydantic_core"}),
         ("trainer/__init__.py", STDLIB),
     ],
 )
@@ -215,8 +215,8 @@ def test_spec_and_exitcodes_load_without_torch() -> None:
     """The same rule, run: importing them must not pull torch in (directly or through
     trainer/__init__.py)."""
     code = (
-        "import sys, torchyard.trainer.spec, torchyard.trainer.exitcodes, "
-        "torchyard.trainer.eventfiles, torchyard.trainer.parent, torchyard.trainer.eventmodel; "
+        "import sys, torchyard.contracts.spec, torchyard.contracts.exitcodes, "
+        "torchyard.contracts.eventfiles, torchyard.contracts.parent, torchyard.contracts.eventmodel; "
         "heavy = sorted(m for m in ('torch', 'numpy', 'torchvision') if m in sys.modules); "
         "print(','.join(heavy))"
     )
@@ -269,7 +269,7 @@ def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
     functions and importlib.import_module with a literal."""
     sample = tmp_path / "sample.py"
     sample.write_text(
-        "import os\nfrom torchyard.trainer import exitcodes\nfrom . import data\n"
+        "import os\nfrom torchyard.contracts import exitcodes\nfrom . import data\n"
         "from .models import mlp\n"
         "def f():\n    import sqlalchemy.orm\n    import importlib\n"
         "    return importlib.import_module('celery')\n"
@@ -296,7 +296,7 @@ def test_a_users_own_trainer_and_client_do_not_shadow_torchyard(tmp_path: Path) 
     (tmp_path / "trainer" / "__init__.py").write_text("MINE = 'user trainer'\n")
     (tmp_path / "client.py").write_text("MINE = 'user client'\n")
     code = (
-        "import trainer, client, torchyard.trainer.spec as s, torchyard.client.sdk as c; "
+        "import trainer, client, torchyard.contracts.spec as s, torchyard.client.sdk as c; "
         "print(trainer.MINE, '|', client.MINE, '|', s.JobSpec.__name__, c.Client.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,

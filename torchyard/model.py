@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchyard.contracts.spec import ModelSpec
 from torchyard.trainer.checkpoint import WEIGHTS_FORMAT
 from torchyard.trainer.models import build_model
-from torchyard.trainer.spec import ModelSpec
 
 # Wrappers that prefix a model's state dict keys (torch.compile, DDP).
 _PREFIXES = ("_orig_mod.", "module.")

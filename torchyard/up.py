@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from torchyard.trainer.parent import die_with_parent
+from torchyard.contracts.parent import die_with_parent
 
 READY_TIMEOUT_S = 90.0
 # A worker gets this long after SIGTERM to checkpoint its trainer and hand the job back.
@@ -138,7 +138,7 @@ class Up:
     # -- set-up ---------------------------------------------------------------------------------
 
     def run(self) -> int:
-        from torchyard.store.settings import Settings
+        from torchyard.settings import Settings
 
         try:
             settings = Settings()

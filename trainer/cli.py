@@ -7,7 +7,7 @@ Under torchrun every rank runs this same command:
     torchrun --nnodes=2 --node_rank=R --nproc_per_node=1 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:PORT -m torchyard.trainer --spec spec.json --run-dir runs/a
 
-The exit status is one of trainer/exitcodes.py. A bad spec, command line or
+The exit status is one of contracts/exitcodes.py. A bad spec, command line or
 TORCHYARD_ATTEMPT (the worker's attempt number, stamped on every event: trainer/events.py)
 exits 2 with one line per problem on stderr and writes nothing.
 
@@ -28,12 +28,18 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
+from torchyard.contracts.parent import die_with_parent
+from torchyard.contracts.spec import (
+    JobSpec,
+    SpecError,
+    batch_split_problem,
+    parse_spec,
+    spec_to_dict,
+)
 from torchyard.trainer.events import attempt_from_env
 from torchyard.trainer.lease import LeaseError, watch_lease
-from torchyard.trainer.parent import die_with_parent
 from torchyard.trainer.signals import StopFlag
-from torchyard.trainer.spec import JobSpec, SpecError, batch_split_problem, parse_spec, spec_to_dict
 
 if TYPE_CHECKING:  # torch loads only once the command line and spec are accepted
     from torchyard.trainer.distributed import Dist

@@ -32,15 +32,15 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from torchyard.trainer.failures import UserCodeError
-from torchyard.trainer.spec import (
+from torchyard.contracts.datasets import (
     CIFAR10_BATCHES,
     DATASET_FILES,
-    DataSpec,
     dataset_file,
     missing_dataset_files,
     split_sizes,
 )
+from torchyard.contracts.spec import DataSpec
+from torchyard.trainer.failures import UserCodeError
 from torchyard.trainer.usercode import call_user, load_factory
 
 # The validation split of sets without a test split is fixed (not drawn from the job's seed),

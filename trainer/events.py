@@ -4,7 +4,7 @@ every other rank k only its `error` and `stopped` events, in `<run dir>/events.r
 a list in tests.
 
 Every event is one JSON object with `type` and `time` (Unix seconds). The types and
-their fields are the contract with the worker: trainer/eventmodel.py declares them, and
+their fields are the contract with the worker: contracts/eventmodel.py declares them, and
 every event is checked against it before it is written (an undeclared field or a value of
 the wrong type is a ValueError here, not a line the worker would skip).
 
@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from torchyard.trainer.eventfiles import EVENTS_FILE, RANK_EVENTS, rank_events_file
-from torchyard.trainer.eventmodel import EVENT_TYPES, build_event
+from torchyard.contracts.eventfiles import EVENTS_FILE, RANK_EVENTS, rank_events_file
+from torchyard.contracts.eventmodel import EVENT_TYPES, build_event
 
 __all__ = ["EVENTS_FILE", "rank_events_file"]
 ATTEMPT_ENV = "TORCHYARD_ATTEMPT"
@@ -71,7 +71,7 @@ def attempt_from_env(environ: Mapping[str, str] | None = None) -> int | None:
 
 def make_event(type: str, fields: dict[str, Any], attempt: int | None) -> dict[str, Any]:
     """One event as written: type, time, the fields, then attempt and pid where they apply;
-    checked against trainer/eventmodel.py (ValueError naming a bad type or field)."""
+    checked against contracts/eventmodel.py (ValueError naming a bad type or field)."""
     event = {"type": type, "time": time.time(), **fields}
     if attempt is not None:
         event["attempt"] = attempt

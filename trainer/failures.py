@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
 
 # Messages that mean an allocation failed, whatever the exception's type.
 OOM_MARKERS = (

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
 from torchyard.trainer.signals import StopFlag
 
 ENV_FILE, ENV_STOP, ENV_KILL = (

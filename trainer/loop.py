@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
+from torchyard.contracts.spec import JobSpec, batch_split_problem, spec_to_dict
 from torchyard.trainer.checkpoint import (
     WEIGHTS_FILE,
     WEIGHTS_FORMAT,
@@ -62,7 +63,6 @@ from torchyard.trainer.failures import classify, describe
 from torchyard.trainer.models import build_model
 from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
 from torchyard.trainer.signals import StopFlag
-from torchyard.trainer.spec import JobSpec, batch_split_problem, spec_to_dict
 
 # Losses are read back (one host sync) at most this many steps apart; also the stop-flag check
 # interval under DDP, where every rank must agree on the step to stop at.

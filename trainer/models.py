@@ -9,8 +9,8 @@ import math
 import torch
 from torch import nn
 
+from torchyard.contracts.spec import ModelSpec
 from torchyard.trainer.failures import SpecProblem, UserCodeError
-from torchyard.trainer.spec import ModelSpec
 from torchyard.trainer.usercode import call_user, load_factory
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchyard.trainer.spec import JobSpec
+from torchyard.contracts.spec import JobSpec
 
 # onecycle without warmup_steps warms up over this share of the run (OneCycleLR's default).
 ONECYCLE_PCT_START = 0.3

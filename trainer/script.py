@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 
 from torchyard import job
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
+from torchyard.contracts.spec import JobSpec
 from torchyard.trainer.checkpoint import export_weights, prune, save_checkpoint
 from torchyard.trainer.distributed import Dist
 from torchyard.trainer.envinfo import versions
 from torchyard.trainer.failures import UserCodeError, classify, describe
-from torchyard.trainer.spec import JobSpec
 
 if TYPE_CHECKING:
     from torchyard.trainer.loop import Run

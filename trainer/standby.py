@@ -19,7 +19,7 @@ import sys
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
 from torchyard.trainer.cli import follow_parent
 from torchyard.trainer.cli import main as trainer_main
 

@@ -8,7 +8,7 @@ import sys
 
 from pydantic import ValidationError
 
-from torchyard.store.settings import Settings, get_settings
+from torchyard.settings import Settings, get_settings
 
 
 def _settings() -> Settings | None:

@@ -9,7 +9,7 @@ committed offset, so a store outage of any length loses nothing. Events of anoth
 attempt than the recorder's (a previous trainer's last lines) are recorded (metrics,
 checkpoints) but never change the job's state.
 
-Every line is parsed by the trainer's event model (trainer/eventmodel.py); a line that is
+Every line is parsed by the trainer's event model (contracts/eventmodel.py); a line that is
 not a valid event is logged and skipped."""
 
 from __future__ import annotations
@@ -22,12 +22,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from torchyard.store.attempts import fence_flush
-from torchyard.store.checkpoints import mark_deleted, record_checkpoint
-from torchyard.store.lifecycle import mark_started
-from torchyard.store.metrics import ingest_metrics
-from torchyard.store.paths import UnsafePath
-from torchyard.trainer.eventmodel import (
+from torchyard.contracts.eventmodel import (
     CheckpointEvent,
     ErrorEvent,
     Event,
@@ -40,6 +35,11 @@ from torchyard.trainer.eventmodel import (
     parse_event,
     parse_event_line,
 )
+from torchyard.store.attempts import fence_flush
+from torchyard.store.checkpoints import mark_deleted, record_checkpoint
+from torchyard.store.lifecycle import mark_started
+from torchyard.store.metrics import ingest_metrics
+from torchyard.store.paths import UnsafePath
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _parse(line: bytes) -> Event | None:
 
 def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | None:
     """The last `error` or `stopped` event of `attempt` that a rank other than 0 wrote to
-    its own file (trainer/eventfiles.py) past byte `start`, as written; None if there is
+    its own file (contracts/eventfiles.py) past byte `start`, as written; None if there is
     none."""
     try:
         with path.open("rb") as f:

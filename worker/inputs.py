@@ -13,11 +13,11 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from torchyard.settings import Settings
 from torchyard.store.bundlefiles import BundleRejected, archive_path, sha256_file, unpack_cached
 from torchyard.store.checkpoints import checkpoint_file, init_checkpoint
 from torchyard.store.models import Checkpoint
 from torchyard.store.paths import UnsafePath
-from torchyard.store.settings import Settings
 
 
 class InputError(Exception):

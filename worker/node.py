@@ -28,8 +28,8 @@ from torchyard.broker.app import (
     wake_scheduler,
     worker_queue,
 )
+from torchyard.settings import Settings
 from torchyard.store.db import session_scope
-from torchyard.store.settings import Settings
 from torchyard.store.workers import (
     LOST,
     WorkerInfo,

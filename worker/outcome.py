@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from torchyard.contracts import exitcodes
 from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
@@ -35,7 +36,6 @@ from torchyard.store.states import (
     A_SUCCEEDED,
     CANCELLING,
 )
-from torchyard.trainer import exitcodes
 
 DETERMINISTIC_ERRORS = frozenset(
     {"nonfinite_loss", "data", "out_of_memory", "unsupported", "user_code", "init", "spec"}

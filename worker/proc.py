@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchyard.store.settings import Settings
-from torchyard.trainer.parent import die_with_parent
+from torchyard.contracts.parent import die_with_parent
+from torchyard.settings import Settings
 
 # Secrets the trainer has no use for stay in the worker.
 _SCRUB = ("TORCHYARD_DATABASE_URL", "TORCHYARD_BROKER_URL")

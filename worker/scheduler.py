@@ -28,10 +28,10 @@ from torchyard.scheduler.cycle import (
 )
 from torchyard.scheduler.policy import RESERVE_AFTER_S
 from torchyard.scheduler.sweeps import SweepController
+from torchyard.settings import Settings
 from torchyard.store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
 from torchyard.store.db import session_scope
 from torchyard.store.models import utcnow
-from torchyard.store.settings import Settings
 from torchyard.store.workers import (
     expire_unclaimed,
     lose_unsupervised_attempts,

@@ -36,6 +36,8 @@ from typing import Any, NamedTuple, TypeVar
 import tenacity
 from sqlalchemy import exc
 
+from torchyard.contracts.eventfiles import rank_events_file
+from torchyard.settings import Settings
 from torchyard.store.attempts import (
     A_CANCELLED,
     A_FAILED,
@@ -65,9 +67,7 @@ from torchyard.store.paths import (
     job_dir,
     resolve_inside,
 )
-from torchyard.store.settings import Settings
 from torchyard.store.states import CANCELLING
-from torchyard.trainer.eventfiles import rank_events_file
 from torchyard.worker.events import EventRecorder, EventTail, last_rank_event
 from torchyard.worker.identity import Device, is_loopback
 from torchyard.worker.inputs import InputError, code_dir, init_file, init_source

@@ -21,9 +21,9 @@ from starlette.concurrency import run_in_threadpool
 from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
 from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.schemas import BundleOut
+from torchyard.settings import Settings
 from torchyard.store.bundlefiles import BundleRejected, Manifest, archive_path, check_archive
 from torchyard.store.bundles import get_bundle, record_bundle, write_bundle_names
-from torchyard.store.settings import Settings
 
 router = APIRouter(prefix="/v1/bundles", tags=["bundles"])
 

@@ -23,7 +23,10 @@ from torchyard.api.errors import ApiError, not_found, responses, validation_erro
 from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
 from torchyard.broker import app as broker
+from torchyard.contracts import datasets
+from torchyard.contracts import spec as job_spec
 from torchyard.scheduler.policy import Kind, describe_kind, kind_of
+from torchyard.settings import Settings
 from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.jobs import (
     BadCursor,
@@ -39,10 +42,8 @@ from torchyard.store.jobs import (
 from torchyard.store.models import User
 from torchyard.store.queue import live_counts
 from torchyard.store.quotas import over_max_queued
-from torchyard.store.settings import Settings
 from torchyard.store.states import STATES
 from torchyard.store.workers import stale_cutoff
-from torchyard.trainer import spec as job_spec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -90,7 +91,7 @@ def _raw_server_checks(obj: Any, settings: Settings) -> Problems:
 def _place_checks(settings: Settings, data: str | None, world_size: int | None) -> Problems:
     """The data set is on disk; the world size is allowed."""
     problems = []
-    missing = [str(p) for p in job_spec.missing_dataset_files(data, settings.data)] if data else []
+    missing = [str(p) for p in datasets.missing_dataset_files(data, settings.data)] if data else []
     if missing:
         problems.append(
             (
@@ -112,7 +113,7 @@ def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> Problems:
     problems = _place_checks(settings, spec.data.name if spec.data else None, spec.world_size)
     # Each field has its cap but their product does not: refuse a model or data set too
     # large for the server before it is stored (nothing to clean up, no OOM on a worker).
-    problems += job_spec.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
+    problems += datasets.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
     return problems
 
 
@@ -164,7 +165,7 @@ def _store_job(
         )
         session.commit()
         out = _snapshot_out(session, user, job.id)
-        warnings = job_spec.size_warnings(spec, settings.data)
+        warnings = datasets.size_warnings(spec, settings.data)
         warnings += _pool_warnings(session, settings, spec.world_size)
     body = SubmittedJob(
         **dict(out), warnings=[SpecWarning(field=f, message=m) for f, m in warnings]

@@ -22,9 +22,10 @@ from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.routers.jobs import check_spec
 from torchyard.api.sweep_schemas import SweepIn, SweepList, SweepOut, input_problems
 from torchyard.broker import app as broker
+from torchyard.contracts import spec as job_spec
 from torchyard.scheduler import space as sp
+from torchyard.settings import Settings
 from torchyard.store.jobs import BadCursor
-from torchyard.store.settings import Settings
 from torchyard.store.sweeps import (
     SWEEP_STATES,
     NewSweep,
@@ -34,7 +35,6 @@ from torchyard.store.sweeps import (
     list_sweeps,
     sweep_view,
 )
-from torchyard.trainer import spec as job_spec
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 Problems = list[tuple[str, str]]

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from torchyard.api.app import create_app
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 
 # The database fixtures live beside the store tests; both suites share them.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from torchyard_testdb import Factory
 
 from torchyard.api.app import create_app
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 
 PUBLIC = {"/healthz", "/readyz"}
 

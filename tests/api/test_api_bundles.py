@@ -18,11 +18,11 @@ from proclib import tar_gz
 from torchyard_testdb import SPEC, Factory
 
 from torchyard.client.bundle import pack
+from torchyard.settings import Settings
 from torchyard.store import bundles as store_bundles
 from torchyard.store.auth import create_token
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import session_scope
-from torchyard.store.settings import Settings
 
 GZIP = {"Content-Type": "application/gzip"}
 Headers = dict[str, str]
@@ -258,8 +258,8 @@ def test_token_create_can_run_code_grants_it(
     client: TestClient, app: Any, db_url: str, bundle: bytes,
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
+    from torchyard.settings import get_settings
     from torchyard.store.cli import token_main
-    from torchyard.store.settings import get_settings
 
     def token(*flags: str) -> Headers:
         assert token_main(["create", "--user", "dave", *flags]) == 0

@@ -24,12 +24,12 @@ from sqlalchemy.orm import sessionmaker
 from torchyard_testdb import Factory
 
 from torchyard.api.app import SHED_WAITING_PER_THREAD, create_app
+from torchyard.settings import Settings
 from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import make_engine, session_scope
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import job_dir
-from torchyard.store.settings import Settings
 from torchyard.store.workers import heartbeat
 
 BIG = 16 * 1024 * 1024  # far more than loopback socket buffers: the server must block

@@ -10,11 +10,11 @@ from typing import Any
 from fastapi.testclient import TestClient
 from torchyard_testdb import Factory
 
+from torchyard.settings import Settings
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import session_scope
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import LOG_FILE, job_dir
-from torchyard.store.settings import Settings
 
 
 def _points(name: str, steps: range, f: Any = lambda k: 1.0 / (k + 1)) -> list[dict[str, Any]]:

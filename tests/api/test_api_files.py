@@ -12,11 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 from torchyard_testdb import Factory
 
+from torchyard.settings import Settings
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import session_scope
 from torchyard.store.models import Checkpoint
 from torchyard.store.paths import LOG_FILE, job_dir
-from torchyard.store.settings import Settings
 
 PAYLOAD = bytes(range(256)) * 40  # 10240 bytes
 

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 
 from torchyard.api.app import create_app
+from torchyard.settings import Settings
 from torchyard.store.auth import create_token
 from torchyard.store.db import session_scope
 from torchyard.store.migrate import upgrade
-from torchyard.store.settings import Settings
 
 TOKEN: dict[str, str] = {}
 # Not positive_data_acceptance: a schema-valid spec may still be refused by what only the

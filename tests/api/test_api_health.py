@@ -7,7 +7,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from torchyard.api.app import create_app
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 
 
 def test_healthz_and_readyz(client: TestClient) -> None:

@@ -9,10 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 from torchyard_testdb import SPEC, Factory
 
+from torchyard.contracts import spec as job_spec
 from torchyard.store.db import session_scope
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.states import QUEUED, RUNNING, STARTING, SUCCEEDED
-from torchyard.trainer import spec as job_spec
 
 JOB_KEYS = {
     "id", "name", "state", "attempt", "spec", "progress", "pending_reason", "error",

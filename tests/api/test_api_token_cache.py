@@ -18,7 +18,7 @@ from torchyard_testdb import Factory
 from torchyard.api import deps
 from torchyard.api.app import create_app
 from torchyard.api.deps import Principal, TokenCache
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 
 ALICE = Principal(1, "alice", is_admin=False)
 

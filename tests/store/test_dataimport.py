@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from torchyard.cli import main as torchyard_main
+from torchyard.contracts.datasets import missing_dataset_files
 from torchyard.store import dataimport
 from torchyard.store.dataimport import IMPORTS, data_main
-from torchyard.trainer.spec import missing_dataset_files
 
 REPO = Path(__file__).resolve().parents[2]
 IDX_NAMES = list(IMPORTS["mnist"].archives)

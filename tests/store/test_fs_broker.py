@@ -23,7 +23,7 @@ QUEUE = "hammer"
 
 def _options(root: Path) -> dict[str, Any]:
     """The embedded broker's own options (broker/app.py), in `root`, polled faster."""
-    from torchyard.store.settings import Settings
+    from torchyard.settings import Settings
 
     settings = Settings(_env_file=None, home=root)  # type: ignore[call-arg]
     return transport_options(settings) | {"polling_interval": 0.005}

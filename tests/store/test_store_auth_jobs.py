@@ -34,10 +34,10 @@ def test_tokens_are_stored_hashed(session: Session) -> None:
 def test_token_create_prints_only_the_token(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from torchyard.settings import get_settings
     from torchyard.store.cli import token_main
     from torchyard.store.db import session_factory
     from torchyard.store.migrate import upgrade
-    from torchyard.store.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 't.db'}"
     upgrade(url)

@@ -74,8 +74,8 @@ def test_upgrade_from_empty_matches_the_models(empty_url: str) -> None:
 
 
 def test_db_upgrade_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchyard.settings import get_settings
     from torchyard.store.cli import db_main
-    from torchyard.store.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     monkeypatch.setenv("TORCHYARD_DATABASE_URL", url)

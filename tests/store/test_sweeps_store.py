@@ -18,12 +18,12 @@ from torchyard_testdb import SPEC, Factory
 
 from torchyard.scheduler import sweeps as controller
 from torchyard.scheduler.sweeps import SweepController
+from torchyard.settings import Settings
 from torchyard.store import migrate
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import Viewer
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.models import Base, Job, JobEvent, Sweep, SweepTrial, User
-from torchyard.store.settings import Settings
 from torchyard.store.sweeps import (
     NewSweep,
     cancel_sweep,

@@ -16,13 +16,13 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from torchyard.settings import Settings
 from torchyard.store import db as store_db
 from torchyard.store.auth import create_token
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import create_job
 from torchyard.store.migrate import upgrade
 from torchyard.store.models import Assignment, Attempt, Base, Job, Worker, utcnow
-from torchyard.store.settings import Settings
 from torchyard.store.states import (
     CANCELLING,
     FAILED,

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from trainer_testlib import write_mnist
 
+from torchyard.contracts.spec import DataSpec
 from torchyard.trainer.data import (
     Batches,
     DataError,
@@ -22,7 +23,6 @@ from torchyard.trainer.data import (
     read_idx,
     steps_per_epoch,
 )
-from torchyard.trainer.spec import DataSpec
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Event lines keep their format, are checked against trainer/eventmodel.py before they are
+"""Event lines keep their format, are checked against contracts/eventmodel.py before they are
 written, and parse on the worker's side. Every event line says which attempt wrote it (TORCHYARD_ATTEMPT, set by the worker), and
 the lifecycle events (`started`, `finished`, `stopped`, `error`) say which process: a later
 attempt's supervisor tells its own trainer's lines from an earlier one's in the shared file."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from trainer_testlib import REPO, make_spec, read_events, trainer_cmd, trainer_env, write_spec
 
-from torchyard.trainer import exitcodes
-from torchyard.trainer.eventmodel import event_dict, parse_event_line
+from torchyard.contracts import exitcodes
+from torchyard.contracts.eventmodel import event_dict, parse_event_line
 from torchyard.trainer.events import (
     ATTEMPT_ENV,
     PID_EVENTS,

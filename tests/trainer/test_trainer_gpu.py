@@ -32,7 +32,7 @@ from trainer_testlib import (
     write_spec,
 )
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
 from torchyard.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = [
@@ -59,8 +59,8 @@ def test_auto_precision_on_cuda(tmp_path: Path) -> None:
 
 
 def test_data_lives_on_the_gpu_on_the_device_path() -> None:
+    from torchyard.contracts.spec import DataSpec
     from torchyard.trainer.data import Batches, load_dataset
-    from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
     b = Batches(ds, device=torch.device("cuda"), per_rank_batch=64, loader="device")
@@ -69,8 +69,8 @@ def test_data_lives_on_the_gpu_on_the_device_path() -> None:
 
 
 def test_dataloader_path_pins_memory_and_trains(tmp_path: Path) -> None:
+    from torchyard.contracts.spec import DataSpec
     from torchyard.trainer.data import Batches, load_dataset
-    from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="digits"), Path("."), 0)
     b = Batches(ds, device=torch.device("cuda"), per_rank_batch=64, loader="dataloader",
@@ -114,9 +114,9 @@ def _uuids() -> list[str]:
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_an_fp16_step_with_clipping_makes_no_host_sync(optimizer: str) -> None:
+    from torchyard.contracts.spec import parse_spec
     from torchyard.trainer.models import build_model
     from torchyard.trainer.optim import build_optimizer
-    from torchyard.trainer.spec import parse_spec
 
     spec = parse_spec(make_spec(model={"name": "lenet"}, optimizer={"name": optimizer, "lr": 0.01}))
     dev = torch.device("cuda", 0)

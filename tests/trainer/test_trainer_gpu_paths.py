@@ -25,12 +25,12 @@ from trainer_testlib import (
     write_spec,
 )
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
+from torchyard.contracts.spec import parse_spec
 from torchyard.trainer.distributed import DeviceError, Dist, cuda_device, local_precision
 from torchyard.trainer.failures import classify, is_oom, is_peer_failure
 from torchyard.trainer.loop import wrap_model
 from torchyard.trainer.optim import build_optimizer
-from torchyard.trainer.spec import parse_spec
 
 
 def test_auto_precision_ignores_emulated_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,8 +109,8 @@ def test_ddp_is_compiled_as_a_whole_and_evaluation_uses_the_plain_net(tmp_path: 
 
 
 def test_channels_last_is_applied_per_batch_not_to_the_resident_set(cifar_root: Path) -> None:
+    from torchyard.contracts.spec import DataSpec
     from torchyard.trainer.data import Batches, load_dataset
-    from torchyard.trainer.spec import DataSpec
 
     ds = load_dataset(DataSpec(name="cifar10"), cifar_root, 0)
     b = Batches(ds, device=torch.device("cpu"), per_rank_batch=32, loader="device",

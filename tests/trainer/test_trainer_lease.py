@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from trainer_testlib import REPO, make_spec, trainer_cmd, trainer_env, write_spec
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
 from torchyard.trainer.lease import LEASE_SIGNAL, LeaseError, watch_lease
 from torchyard.trainer.signals import StopFlag
 

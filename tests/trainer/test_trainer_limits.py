@@ -13,17 +13,17 @@ import pytest
 import torch
 from trainer_testlib import REPO, make_spec
 
-from torchyard.trainer.data import load_dataset
-from torchyard.trainer.models import build_model
-from torchyard.trainer.spec import (
+from torchyard.contracts.datasets import (
     DATASET_CLASSES,
     DATASET_SHAPES,
     data_bytes,
     data_shape,
     limit_problems,
     model_parameters,
-    parse_spec,
 )
+from torchyard.contracts.spec import parse_spec
+from torchyard.trainer.data import load_dataset
+from torchyard.trainer.models import build_model
 
 GIB = 1024**3
 
@@ -127,7 +127,7 @@ def test_limits_name_the_field_and_the_variable() -> None:
 
 def test_the_estimates_do_not_load_torch() -> None:
     code = (
-        "import sys; from torchyard.trainer.spec import parse_spec, limit_problems; "
+        "import sys; from torchyard.contracts.spec import parse_spec; from torchyard.contracts.datasets import limit_problems; "
         "s = parse_spec({'model': {'name': 'resnet18'}, 'data': {'name': 'cifar10'}, "
         "'optimizer': {'name': 'sgd'}}); limit_problems(s, 1, 1); "
         "print('torch' in sys.modules)"

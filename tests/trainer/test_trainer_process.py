@@ -64,7 +64,7 @@ def test_a_repeated_sigterm_does_not_kill_before_the_checkpoint() -> None:
 def test_die_with_parent_sets_the_parent_death_signal() -> None:
     # In a child process: the setting would outlive the test in this one.
     code = (
-        "import ctypes, signal; from torchyard.trainer.parent import die_with_parent; "
+        "import ctypes, signal; from torchyard.contracts.parent import die_with_parent; "
         "libc = ctypes.CDLL(None); before = ctypes.c_int(-1); after = ctypes.c_int(-1); "
         "libc.prctl(2, ctypes.byref(before), 0, 0, 0); "  # PR_GET_PDEATHSIG
         "ok = die_with_parent(signal.SIGUSR1); "

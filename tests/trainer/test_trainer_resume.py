@@ -23,7 +23,7 @@ from trainer_testlib import (
     write_spec,
 )
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
 from torchyard.trainer.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.e2e

@@ -32,14 +32,15 @@ from trainer_testlib import (
 )
 
 from torchyard import job
-from torchyard.trainer import checkpoint, exitcodes
+from torchyard.contracts import exitcodes
+from torchyard.contracts.eventfiles import rank_events_file
+from torchyard.contracts.spec import parse_spec
+from torchyard.trainer import checkpoint
 from torchyard.trainer.distributed import Dist
-from torchyard.trainer.eventfiles import rank_events_file
 from torchyard.trainer.events import MemoryEvents
 from torchyard.trainer.loop import Run
 from torchyard.trainer.script import ScriptBackend, run_script
 from torchyard.trainer.signals import StopFlag
-from torchyard.trainer.spec import parse_spec
 
 # CPU (gloo) everywhere, with the same thread count in every run: bitwise-equal weights.
 ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -56,12 +57,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import client  # the bundle's own client/ package
-import torchyard.trainer.exitcodes  # ours, not the bundle's trainer.py
+import torchyard.contracts.exitcodes  # ours, not the bundle's trainer.py
 from torchyard import job
 from trainer import build  # the bundle's own trainer.py
 
 assert client.MINE == "user client", client.__file__
-assert torchyard.trainer.exitcodes.PREEMPTED == 75
+assert torchyard.contracts.exitcodes.PREEMPTED == 75
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)

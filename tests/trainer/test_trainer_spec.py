@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from trainer_testlib import REPO, make_spec, trainer_env, write_cifar, write_mnist, write_spec
 
-from torchyard.trainer import exitcodes
-from torchyard.trainer.spec import SpecError, missing_dataset_files, parse_spec, spec_to_dict
+from torchyard.contracts import exitcodes
+from torchyard.contracts.datasets import missing_dataset_files
+from torchyard.contracts.spec import SpecError, parse_spec, spec_to_dict
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
@@ -234,8 +235,8 @@ def test_a_wrong_type_shows_the_value_received(path: str, value: Any, expected: 
 
 def test_training_set_sizes_are_the_trainers(tmp_path: Path) -> None:
     """train_samples (what the submit warns with) is the size the trainer's split gives."""
+    from torchyard.contracts.datasets import size_warnings, train_samples
     from torchyard.trainer.data import load_dataset
-    from torchyard.trainer.spec import size_warnings, train_samples
 
     write_mnist(tmp_path, n_train=30, n_test=10, gz=True)
     cases = [

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from trainer_testlib import make_spec, train_in_process
 
-from torchyard.trainer import exitcodes
+from torchyard.contracts import exitcodes
+from torchyard.contracts.spec import parse_spec
 from torchyard.trainer.checkpoint import list_checkpoints, load_checkpoint
 from torchyard.trainer.optim import lr_schedule
-from torchyard.trainer.spec import parse_spec
 
 EVENT_FIELDS = {
     "started": {

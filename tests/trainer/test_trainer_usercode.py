@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from trainer_testlib import REPO, make_spec, train_in_process
 
-from torchyard.trainer import exitcodes
-from torchyard.trainer.spec import parse_spec
+from torchyard.contracts import exitcodes
+from torchyard.contracts.spec import parse_spec
 
 BUNDLE_MODEL = """
 import math

@@ -167,10 +167,10 @@ def train_in_process(
     (exit code, events)."""
     import torch
 
+    from torchyard.contracts.spec import parse_spec
     from torchyard.trainer.distributed import Dist
     from torchyard.trainer.events import MemoryEvents
     from torchyard.trainer.loop import Run, run
-    from torchyard.trainer.spec import parse_spec
 
     run_dir.mkdir(parents=True, exist_ok=True)
     events = MemoryEvents()

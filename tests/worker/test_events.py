@@ -12,11 +12,11 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 from worker_factories import make_job, make_worker
 
+from torchyard.contracts.eventmodel import event_dict
 from torchyard.scheduler.cycle import schedule
 from torchyard.store.lifecycle import Fenced, finish_attempt
 from torchyard.store.models import Attempt, Checkpoint, Job, Metric, MetricBlock
 from torchyard.store.states import A_LOST
-from torchyard.trainer.eventmodel import event_dict
 from torchyard.worker.events import EventRecorder, EventTail
 
 

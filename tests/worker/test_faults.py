@@ -20,12 +20,12 @@ from sqlalchemy import func, select, update
 from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
+from torchyard.settings import Settings
 from torchyard.store.attempts import set_endpoint
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced, finish_attempt
 from torchyard.store.models import Attempt, Checkpoint, Job, Metric, Worker, utcnow
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
-from torchyard.store.settings import Settings
 from torchyard.store.states import A_LOST, A_SUCCEEDED
 from torchyard.store.workers import heartbeat, reap_stale_workers
 from torchyard.worker import supervisor

@@ -14,9 +14,9 @@ from sqlalchemy import select
 from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
+from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import Attempt, Job
-from torchyard.store.settings import Settings
 from torchyard.store.states import A_FAILED, A_LOST
 from torchyard.worker.events import last_rank_event
 from torchyard.worker.identity import Device, GpuRow, gpu_device, is_loopback

@@ -17,6 +17,7 @@ from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.scheduler.policy import cluster_reason, kind_of, plan, plural
+from torchyard.settings import Settings
 from torchyard.store.attempts import (
     A_FAILED,
     A_HANDED_BACK,
@@ -30,7 +31,6 @@ from torchyard.store.attempts import (
 from torchyard.store.db import session_factory, session_scope
 from torchyard.store.models import Assignment, Attempt, Job, JobEvent, Worker, utcnow
 from torchyard.store.queue import FreeWorker, QueuedJob, start_gangs
-from torchyard.store.settings import Settings
 from torchyard.store.states import CANCELLING, transition
 from torchyard.store.workers import (
     WorkerInfo,

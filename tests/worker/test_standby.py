@@ -20,12 +20,12 @@ from proclib import assert_dies_with_parent
 from sqlalchemy import select
 from worker_factories import DIGITS_SPEC, make_job, make_worker
 
+from torchyard.contracts import exitcodes
 from torchyard.scheduler.cycle import schedule
+from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import Assignment, Attempt, Job
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
-from torchyard.store.settings import Settings
-from torchyard.trainer import exitcodes
 from torchyard.worker.identity import Device
 from torchyard.worker.proc import Launch, go_message, signal_group, slot_env, spawn, standby_argv
 from torchyard.worker.standby import WarmTrainer

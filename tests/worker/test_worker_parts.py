@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import update
 from worker_factories import make_job, make_worker
 
+from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import Assignment, Attempt, Job, Worker, utcnow
-from torchyard.store.settings import Settings
 from torchyard.worker.identity import SlotTaken, claim_id
 from torchyard.worker.proc import Launch, trainer_argv, trainer_env
 from torchyard.worker.scheduler import Scheduler

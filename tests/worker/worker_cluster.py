@@ -117,7 +117,7 @@ class Cluster:
     # ---- settings and store access from the test process ----------------------------------
 
     def settings(self) -> Any:
-        from torchyard.store.settings import Settings
+        from torchyard.settings import Settings
 
         keys = {k: v for k, v in self.env.items() if k.startswith("TORCHYARD_")}
         old = {k: os.environ.get(k) for k in keys}

@@ -1,6 +1,6 @@
 """The trainer→worker event format: one pydantic model per event `type`, and the
 discriminated union that both sides go through (torch-free: the worker imports it; it
-imports pydantic and the standard library only, like trainer/spec.py).
+imports pydantic and the standard library only, like contracts/spec.py).
 
 The trainer builds every line with `build_event` (trainer/events.py writes it to
 `events.jsonl`); the worker parses every line with `parse_event_line` (worker/events.py).
