@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 from sqlalchemy import select, update
 
+from torchyard.settings import Settings
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import session_scope
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.models import Job
 from torchyard.store.paths import job_dir
-from torchyard.store.settings import Settings
 
 # The database fixtures live beside the store tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from torchyard.api.app import create_app
 from torchyard.client.sdk import Client
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 
 sqlite_template = client_server.sqlite_template  # the migrated schema, copied per test
 

@@ -254,7 +254,7 @@ def test_a_long_metrics_table_is_downsampled_and_says_so(
     _, out, _ = run("submit", str(spec))
     job_id = out.strip()
     store.metrics(job_id, range(1, 41))
-    monkeypatch.setattr("torchyard.client.cli.TABLE_MAX_ROWS", 10)
+    monkeypatch.setattr("torchyard.client.cmd_results.TABLE_MAX_ROWS", 10)
     rc, out, err = run("metrics", job_id, "--name", "train/loss")
     rows = out.splitlines()[1:]
     assert rc == 0 and 1 < len(rows) <= 10 and rows[-1].split() == ["40", "0.0500"]

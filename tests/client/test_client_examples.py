@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from torchyard.client.sdk import load_spec
-from torchyard.trainer.spec import parse_spec
+from torchyard.contracts.spec import parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from torchyard.cli import COMMANDS
-from torchyard.store.settings import Settings
-from torchyard.trainer.spec import JobSpec
+from torchyard.contracts.spec import JobSpec
+from torchyard.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

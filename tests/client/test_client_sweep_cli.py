@@ -22,9 +22,9 @@ from torchyard.client.cli import describe_sweep
 from torchyard.client.errors import InvalidSpec
 from torchyard.client.sdk import Client
 from torchyard.scheduler.sweeps import SweepController
+from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import Job
-from torchyard.store.settings import Settings
 
 Run = test_client_cli.Run
 run = test_client_cli.run  # the fixture: run(*argv) -> (exit code, stdout, stderr)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 from torchyard.up import Up, UpError, _port_free, detect_gpus, ensure_admin_token
 
 SMI = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa1111-0000)

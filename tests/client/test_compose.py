@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from torchyard.cli import COMMANDS
-from torchyard.store.settings import Settings
+from torchyard.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHYARD_SERVICES = {"migrate", "api", "scheduler", "worker-gpu0", "worker-gpu1"}

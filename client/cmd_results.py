@@ -1,0 +1,126 @@
+"""A job's results: the metrics command (a table, CSV or a terminal plot) and the download
+command (a checkpoint, resumable, sha256-verified), with the CSV writer, the step-by-series
+rows both the table and the CSV are made of, and what a download prints."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from torchyard.client import render
+from torchyard.client.cli_common import EXIT_FAIL, EXIT_OK, JOB_HELP, err, show
+from torchyard.client.sdk import Client, Download
+
+# A table longer than this is downsampled by the server: rich lays a table out cell by cell
+# (about 2 ms a row), and nobody reads ten thousand rows on a terminal (--csv has them all).
+TABLE_MAX_ROWS = 1000
+
+
+def add_result_commands(cmd: Callable[..., Any]) -> None:
+    """metrics and download."""
+    sp = cmd("metrics", cmd_metrics, "show a job's metrics as a table, CSV or a plot")
+    sp.add_argument("job", help=JOB_HELP)
+    sp.add_argument(
+        "--name", action="append", help="only this series (repeatable), e.g. --name val/loss"
+    )
+    out = sp.add_mutually_exclusive_group()
+    out.add_argument("--csv", action="store_true", help="CSV: step, then one column per series")
+    out.add_argument("--plot", action="store_true", help="draw the loss curves in the terminal")
+    sp.add_argument("--max-points", type=int, help="downsample each series on the server")
+    sp.add_argument("--log", action="store_true", help="--plot with a logarithmic y axis")
+    sp.add_argument("--width", type=int, default=72, help="--plot width in characters")
+    sp.add_argument("--height", type=int, default=18, help="--plot height in lines")
+
+    sp = cmd("download", cmd_download, "download a checkpoint, resumable, sha256-verified")
+    sp.add_argument("job", help=JOB_HELP)
+    sp.add_argument(
+        "-c", "--checkpoint", default="latest", help="checkpoint id or `latest` (default)"
+    )
+    sp.add_argument("-o", "--output", help="file or directory to write (default: ./<job>-step<N>)")
+
+
+def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
+    job_id = client.resolve_job_id(args.job)
+    max_points = args.max_points
+    if args.plot and max_points is None:
+        max_points = max(args.width * 2, 50)
+    series = client.metrics(job_id, name=args.name, max_points=max_points)
+    if not series:
+        err(f"no metrics yet for job {job_id}")
+        return EXIT_FAIL
+    if args.csv:
+        write_csv(series, sys.stdout)
+    elif args.plot:
+        names = args.name or [n for n in series if "loss" in n] or list(series)
+        data = {n: (series[n]["steps"], series[n]["values"]) for n in names if n in series}
+        color = render.colour(render.console(sys.stdout))
+        print(render.plot(data, width=args.width, height=args.height, color=color, log_y=args.log))
+    else:
+        names, rows = wide_rows(series)
+        if len(rows) > TABLE_MAX_ROWS and max_points is None:
+            series = client.metrics(job_id, name=args.name, max_points=TABLE_MAX_ROWS)
+            names, rows = wide_rows(series)
+            print(
+                f"note: {TABLE_MAX_ROWS} rows at most in a table: each row is the last point "
+                "of its span of steps; --csv gives every point",
+                file=sys.stderr,
+            )
+        show(render.table(["step", *names], rows))
+    return EXIT_OK
+
+
+def cmd_download(client: Client, args: argparse.Namespace) -> int:
+    job_id = client.resolve_job_id(args.job)
+    transfer = render.Transfer(sys.stderr)
+    dl = client.download(job_id, args.checkpoint, args.output, on_progress=transfer)
+    transfer.done(dl.bytes)
+    print(describe_download(dl))
+    return EXIT_OK
+
+
+def describe_download(dl: Download) -> str:
+    ck = dl.checkpoint
+    lines = [
+        f"saved {dl.path} ({render.human_bytes(dl.bytes)}, checkpoint {ck.get('id')} "
+        f"at step {ck.get('step')})",
+        f"sha256 {dl.sha256} verified"
+        + (f"; resumed after {render.human_bytes(dl.resumed_from)}" if dl.resumed_from else ""),
+        "load it with:",
+    ]
+    path = json.dumps(str(dl.path))
+    if dl.format == "safetensors":
+        lines += [
+            "  import torchyard",
+            f"  model = torchyard.load_model({path})  # eval mode; add code=DIR for a bundle's model",
+            "  logits = model(x)  # x as the data set's files hold it (uint8 pixels, digits 0..16)",
+            "  # or the bare tensors: safetensors.torch.load_file(path)",
+        ]
+    else:
+        lines += [
+            "  import torch",
+            f'  ckpt = torch.load({path}, map_location="cpu", weights_only=True)',
+            "  # ckpt['model'] is the model's state_dict",
+        ]
+    return "\n".join(lines)
+
+
+def write_csv(series: dict[str, dict[str, list]], out: TextIO) -> None:
+    names, rows = wide_rows(series)
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["step", *names])
+    for r in rows:
+        w.writerow(["" if v is None else repr(v) if isinstance(v, float) else v for v in r])
+
+
+def wide_rows(series: dict[str, dict[str, list]]) -> tuple[list[str], list[list[Any]]]:
+    """One row per step, one column per series (None where a series has no value there)."""
+    names = sorted(series)
+    by_step: dict[int, dict[str, float]] = {}
+    for n in names:
+        for s, v in zip(series[n].get("steps", []), series[n].get("values", []), strict=False):
+            by_step.setdefault(int(s), {})[n] = v
+    return names, [[s] + [by_step[s].get(n) for n in names] for s in sorted(by_step)]
