@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection
-from typing import Any
 
 import anyio.to_thread
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -97,15 +96,9 @@ class BodyLimit:
         if scope["type"] != "http" or scope.get("path") in self.own_limit:
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    await self._reject(send)
-                    return
+        if _declared_length(scope) > self.max_bytes:
+            await self._reject(send)
+            return
         received = 0
         started = False
 
@@ -129,6 +122,18 @@ class BodyLimit:
         except BodyTooLarge:
             if not started:
                 await self._reject(send)
+
+
+def _declared_length(scope: Scope) -> int:
+    """The request's Content-Length, 0 when absent or not a number (the body is counted
+    as it arrives either way)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 class PrometheusMetrics:
@@ -171,7 +176,7 @@ class PrometheusMetrics:
             self.requests.labels(scope["method"], _route(scope), str(status)).inc()
 
 
-def _route(scope: dict[str, Any]) -> str:
+def _route(scope: Scope) -> str:
     route = scope.get("route")
     path = getattr(route, "path", None)
     # Templates only ("/v1/jobs/{job_id}"): raw paths would make unbounded label sets.

@@ -39,7 +39,8 @@ STALE_TMP_S = 300.0
 
 
 class Channel(filesystem.Channel):
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    # kombu's own channels disagree on this argument's name (payload / message).
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         folder = self.data_folder_out
         tmp = os.path.join(folder, f"{TMP_PREFIX}{uuid.uuid4().hex}")
@@ -52,7 +53,7 @@ class Channel(filesystem.Channel):
                 os.unlink(tmp)
             raise filesystem.ChannelError(f"cannot add a message to {folder!r}: {e}") from e
 
-    def _get(self, queue: str) -> Any:
+    def _get(self, queue: str, timeout: float | None = None) -> Any:
         wanted = f"{queue}.msg"
         taken_dir = self.processed_folder
         for filename in sorted(os.listdir(self.data_folder_in)):

@@ -174,7 +174,7 @@ def describe_queue(q: dict, limit: int | None = None) -> RenderableType:
         parts += ["", render.table(headers, rows)]
     usage = q.get("usage") or {}
     if usage:
-        rows = [
+        usage_rows = [
             (name, f"{u.get('worker_hours') or 0:.2f}", u.get("share"),
              _or_none(u.get("max_workers")), _or_none(u.get("max_queued")))
             for name, u in usage.items()
@@ -183,7 +183,9 @@ def describe_queue(q: dict, limit: int | None = None) -> RenderableType:
             "",
             f"usage ({unit}-hours, half-life {_half_life(q.get('half_life_s'))}; fair share "
             "orders users by usage / share):",
-            render.table(["USER", f"{unit.upper()}-H", "SHARE", "MAX WORKERS", "MAX QUEUED"], rows),
+            render.table(
+                ["USER", f"{unit.upper()}-H", "SHARE", "MAX WORKERS", "MAX QUEUED"], usage_rows
+            ),
         ]
     return Group(*parts)
 

@@ -8,7 +8,7 @@ import argparse
 import csv
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from torchyard.client import render
@@ -56,7 +56,9 @@ def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
         write_csv(series, sys.stdout)
     elif args.plot:
         names = args.name or [n for n in series if "loss" in n] or list(series)
-        data = {n: (series[n]["steps"], series[n]["values"]) for n in names if n in series}
+        data: dict[str, tuple[Sequence[float], Sequence[float]]] = {
+            n: (series[n]["steps"], series[n]["values"]) for n in names if n in series
+        }
         color = render.colour(render.console(sys.stdout))
         print(render.plot(data, width=args.width, height=args.height, color=color, log_y=args.log))
     else:

@@ -167,7 +167,9 @@ def resolve(
     tokens = [
         (token, given[1]),
         (env.get("TORCHYARD_TOKEN"), "TORCHYARD_TOKEN"),
-        _saved_token(chosen, saved and saved.url, saved and saved.token, cfg),
+        _saved_token(
+            chosen, saved.url if saved else None, saved.token if saved else None, cfg
+        ),
         _saved_token(chosen, home_url or DEFAULT_URL, _first_line(home / "admin-token"),
                      home / "admin-token"),
     ]  # fmt: skip

@@ -54,7 +54,7 @@ class _Follower:
         self.client, self.job_id, self.status, self.refresh_s = client, job_id, status, refresh_s
         self.job: dict = {}
         self.state: str | None = None
-        self.latest: dict[str, tuple[int, float]] = {}
+        self.latest: dict[str, tuple[int, float | None]] = {}
         self.step: int | None = None
         self.epoch: Any = None
         self.said: tuple[Any, ...] = ()
@@ -153,7 +153,7 @@ def _state_line(job: dict) -> str:
 SHOWN_METRICS = ("train/loss", "val/loss", "val/accuracy")
 
 
-def progress_line(job: dict, latest: dict[str, tuple[int, float]]) -> RenderableType:
+def progress_line(job: dict, latest: dict[str, tuple[int, float | None]]) -> RenderableType:
     p = job.get("progress") or {}
     spec = job.get("spec") or {}
     step, total = p.get("step"), p.get("total_steps")
@@ -175,7 +175,7 @@ def progress_line(job: dict, latest: dict[str, tuple[int, float]]) -> Renderable
     return render.line(parts)
 
 
-def summary_line(job: dict, latest: dict[str, tuple[int, float]]) -> str:
+def summary_line(job: dict, latest: dict[str, tuple[int, float | None]]) -> str:
     state = job.get("state")
     took = duration(job.get("created_at"), job.get("finished_at"))
     text = f"job {job.get('id')} {state}" + (f" in {took}" if took else "")

@@ -51,11 +51,9 @@ def is_factory(name: str) -> bool:
     return FACTORY_RE.fullmatch(name) is not None
 
 
-def _name_problem(
-    name: str, kind: str, builtin: tuple[str, ...], other: tuple[str, str]
-) -> str | None:
-    """What is wrong with a model or data set name of `kind`, or None. `other` is the
-    non-factory form besides the built-ins: (its kind, how it is written, e.g. 'torchvision/<name>')."""
+def _name_problem(name: str, kind: str, builtin: tuple[str, ...], other: str) -> str | None:
+    """What is wrong with a model or data set name of `kind`, or None. `other` is how the
+    non-factory form besides the built-ins is written, e.g. 'torchvision/<name>'."""
     if kind == "builtin":
         if name in builtin:
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Mapping
 from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
@@ -21,13 +22,32 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
 
 
-def _friendly(err: dict[str, Any]) -> str:
+_FIXED = {
+    "missing": "required",
+    "extra_forbidden": "unknown field",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "dict_type": "must be an object",
+    "string_too_short": "must not be empty",
+    "finite_number": "must be a finite number",
+}
+"""Messages of pydantic error types that say the same whatever the field."""
+
+
+def _friendly(err: Mapping[str, Any]) -> str:
     t, ctx = err["type"], err.get("ctx") or {}
+    if t in _FIXED:
+        return _FIXED[t]
     match t:
-        case "missing":
-            return "required"
-        case "extra_forbidden":
-            return "unknown field"
         case "greater_than":
             return f"must be > {ctx['gt']}"
         case "greater_than_equal":
@@ -38,32 +58,16 @@ def _friendly(err: dict[str, Any]) -> str:
             return f"must be <= {ctx['le']}"
         case "literal_error":
             return f"must be one of {ctx['expected']}"
-        case "int_type" | "int_parsing" | "int_from_float":
-            return "must be an integer"
-        case "float_type" | "float_parsing":
-            return "must be a number"
-        case "bool_type" | "bool_parsing":
-            return "must be true or false"
-        case "string_type":
-            return "must be a string"
-        case "list_type":
-            return "must be a list"
-        case "model_type" | "model_attributes_type" | "dict_type":
-            return "must be an object"
         case "too_short":
             return f"must have at least {ctx.get('min_length')} item(s)"
         case "too_long":
             return f"must have at most {ctx.get('max_length')} item(s)"
-        case "string_too_short":
-            return "must not be empty"
         case "string_too_long":
             return f"must be at most {ctx.get('max_length')} characters"
         case "string_pattern_mismatch" if tuple(err["loc"]) == ("name",):
             return "may hold only letters, digits, spaces, '.', '_' and '-'"
         case "string_pattern_mismatch":
             return f"must match {ctx.get('pattern')}"
-        case "finite_number":
-            return "must be a finite number"
     return str(err["msg"])
 
 
@@ -150,7 +154,7 @@ def did_you_mean(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
     return f"did you mean '{elsewhere[0]}'?" if elsewhere else ""
 
 
-def _message(root: type[BaseModel], err: dict[str, Any]) -> str:
+def _message(root: type[BaseModel], err: Mapping[str, Any]) -> str:
     """The message of one pydantic error, with what helps fix it: the value received for
     a value of the wrong kind, the field meant for an unknown one."""
     message = _friendly(err)

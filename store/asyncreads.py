@@ -56,7 +56,7 @@ def _compiled(which: str, admin: bool) -> _Compiled:
     cols = list(stmt.selected_columns)
     return _Compiled(
         compiled.string,
-        [c.key for c in cols],
+        [str(c.key) for c in cols],
         [c.type.dialect_impl(_DIALECT).result_processor(_DIALECT, None) for c in cols],
     )
 

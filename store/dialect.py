@@ -75,7 +75,7 @@ def in_list(session: Session, column: Any, values: Sequence[Any]) -> ColumnEleme
     """`column IN values`: `= ANY(array)` on PostgreSQL (one parameter), IN elsewhere."""
     if is_postgres(session):
         return column == any_(bindparam(None, list(values), type_=BinaryArray(column.type)))
-    return column.in_(values)  # type: ignore[no-any-return]
+    return column.in_(values)
 
 
 def unnest(

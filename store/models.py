@@ -22,6 +22,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
     false,
@@ -62,6 +63,14 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 class Base(DeclarativeBase):
     pass
+
+
+def table_of(model: type[Base]) -> Table:
+    """A model's Table, typed as one (DeclarativeBase declares `__table__` a FromClause),
+    for the Core statements of the hot paths."""
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
 
 
 class User(Base):

@@ -117,7 +117,8 @@ def preemptions_in_flight(session: Session) -> dict[str, list[str]]:
     )
     out: dict[str, list[str]] = {}
     for by, victim in rows:
-        out.setdefault(by, []).append(victim)
+        if by is not None:  # the query's own filter: typed as optional, never null here
+            out.setdefault(by, []).append(victim)
     return out
 
 

@@ -24,7 +24,16 @@ from sqlalchemy import Integer, String, case, func, insert, literal, select, tru
 from sqlalchemy.orm import Session
 
 from torchyard.store.dialect import is_postgres, unnest
-from torchyard.store.models import Assignment, Attempt, Job, User, UTCDateTime, Worker, utcnow
+from torchyard.store.models import (
+    Assignment,
+    Attempt,
+    Job,
+    User,
+    UTCDateTime,
+    Worker,
+    table_of,
+    utcnow,
+)
 from torchyard.store.states import A_STARTING, QUEUED, STARTING, transition_many
 from torchyard.store.workers import BUSY, IDLE, LIVE
 
@@ -158,7 +167,7 @@ def _assign_pg(
     """The attempts, their assignments and the workers' claim in one statement (each rank
     joins its attempt by job id): the assignment ids in rank order, or None when a worker
     is no longer idle."""
-    att_t, asg_t = Attempt.__table__, Assignment.__table__
+    att_t, asg_t = table_of(Attempt), table_of(Assignment)
     # Columns with Python defaults given explicitly: two inserts in one statement would
     # otherwise both bind a parameter named "created_at".
     now = literal(utcnow(), UTCDateTime)
@@ -192,7 +201,7 @@ def _assign_pg(
         .returning(asg_t.c.id, asg_t.c.job_id, asg_t.c.worker_id)
         .cte("asg")
     )
-    w_t = Worker.__table__
+    w_t = table_of(Worker)
     claim = (
         update(w_t)
         .where(w_t.c.id == asg.c.worker_id, w_t.c.state == IDLE)
@@ -233,7 +242,7 @@ def _insert_attempts(
     session: Session, gangs: list[tuple[QueuedJob, list[FreeWorker]]]
 ) -> list[int]:
     """One attempt (number job.attempt, starting) per gang; their ids in gang order."""
-    t = Attempt.__table__
+    t = table_of(Attempt)
     return list(
         session.scalars(
             insert(t).returning(t.c.id, sort_by_parameter_order=True),
@@ -247,7 +256,7 @@ def _insert_attempts(
 
 def _insert_assignments(session: Session, ranks: list[_Rank]) -> list[int]:
     """One assignment per rank; their ids in rank order."""
-    t = Assignment.__table__
+    t = table_of(Assignment)
     return list(
         session.scalars(
             insert(t).returning(t.c.id, sort_by_parameter_order=True),

@@ -22,7 +22,7 @@ from torchyard.contracts.states import (
     can_transition,
 )
 from torchyard.store.dialect import in_list, is_postgres, unnest
-from torchyard.store.models import Job, JobEvent, UTCDateTime, utcnow
+from torchyard.store.models import Job, JobEvent, UTCDateTime, table_of, utcnow
 
 # Short names for the store's queries (the tables are contracts/states.py's).
 QUEUED, STARTING, RUNNING = JobState.QUEUED, JobState.STARTING, JobState.RUNNING
@@ -133,7 +133,7 @@ def transition_many(
         (jid, {"from": from_state, "to": to_state, "reason": why, "attempt": attempt})
         for jid, attempt, why in jobs
     ]
-    t = JobEvent.__table__
+    t = table_of(JobEvent)
     if is_postgres(session):
         u = unnest(
             "u",

@@ -289,9 +289,9 @@ def optuna_url(db_url: str) -> str:
     torchyard's write lock, which the controller holds while it asks Optuna for a trial."""
     url = make_url(db_url)
     if url.get_backend_name() == "postgresql":
-        options = " ".join(
-            filter(None, [url.query.get("options"), f"-csearch_path={OPTUNA_SCHEMA}"])
-        )
+        given = url.query.get("options")  # a repeated query key is a tuple
+        given = " ".join(given) if isinstance(given, tuple) else given
+        options = " ".join(filter(None, [given, f"-csearch_path={OPTUNA_SCHEMA}"]))
         return url.update_query_dict({"options": options}).render_as_string(hide_password=False)
     path = url.database
     if not path or path == ":memory:":
@@ -327,9 +327,9 @@ def optuna_storage(db_url: str) -> RDBStorage:
         path = make_url(url).database
         assert path is not None
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with sqlite3.connect(path, timeout=30) as conn:  # WAL is kept by the file
-            conn.execute("PRAGMA journal_mode=WAL")
-        conn.close()
+        with sqlite3.connect(path, timeout=30) as lite:  # WAL is kept by the file
+            lite.execute("PRAGMA journal_mode=WAL")
+        lite.close()
     storage = optuna.storages.RDBStorage(
         url, engine_kwargs=_engine_kwargs(db_url), skip_compatibility_check=True
     )

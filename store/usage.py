@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, Float, case, cast, func, literal, or_, select
+from sqlalchemy import ColumnElement, Float, case, cast, func, literal, or_, select, type_coerce
 from sqlalchemy.orm import Session
 
 from torchyard.store.dialect import is_postgres
@@ -29,7 +29,7 @@ HORIZON_HALF_LIVES = 10
 def _epoch(session: Session, col: ColumnElement[datetime]) -> ColumnElement[float]:
     """Seconds since the epoch of a timestamp column, in SQL."""
     if is_postgres(session):
-        return func.extract("epoch", col)
+        return type_coerce(func.extract("epoch", col), Float())  # same SQL, typed float
     # SQLite keeps UTC text; julianday counts days from noon, 4714 BC.
     return (func.julianday(col) - 2440587.5) * 86400.0
 

@@ -63,7 +63,8 @@ def write_atomic(run_dir: Path, relative: str, data: bytes | memoryview) -> Writ
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """This process's RNG states as tensors and plain types."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy=True: (name, keys, pos, has_gauss, gauss)
     py_state = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -226,7 +226,7 @@ class DataSet:
 
 
 def _open(path: Path) -> io.BufferedIOBase:
-    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")  # type: ignore[return-value]
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -480,8 +480,10 @@ class EpochSampler(DistributedSampler):
     """DistributedSampler (set_epoch, shuffle, drop_last) that can start mid-epoch."""
 
     def __init__(self, n: int, world: int, rank: int, seed: int):
+        # A sampler reads only len() of its data set: a range stands in for it.
         super().__init__(
-            range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+            range(n),  # type: ignore[arg-type]
+            num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
         self.skip = 0
 
@@ -578,6 +580,8 @@ class Batches:
         )
 
     def _to_device(self, src: Source) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(src, ItemSource):  # a streamed set always takes the DataLoader path
+            raise TypeError(f"{src.what} is read item by item: it cannot live on the device")
         x, y = src.tensors()
         x, y = x.to(self.device), y.to(self.device)
         if self.prenormalised:

@@ -187,7 +187,7 @@ def build_net(
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     net = net.to(d.device)
     if channels_last:
-        net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        net = net.to(memory_format=torch.channels_last)
     return net, sync_bn
 
 

@@ -71,8 +71,8 @@ def resnet18(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 
     m = tv_resnet18(weights=None, num_classes=num_classes)
     m.conv1 = nn.Conv2d(in_shape[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
-    m.maxpool = nn.Identity()  # type: ignore[assignment]
-    m.avgpool = GlobalAvgPool()  # type: ignore[assignment]
+    m.maxpool = nn.Identity()
+    m.avgpool = GlobalAvgPool()
     return m
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchyard.contracts.spec import JobSpec
+from torchyard.contracts.spec import JobSpec, OptimizerSpec
 
 # onecycle without warmup_steps warms up over this share of the run (OneCycleLR's default).
 ONECYCLE_PCT_START = 0.3
@@ -19,8 +19,14 @@ ONECYCLE_START_DIV = 25.0
 ONECYCLE_FINAL_DIV = 1e4
 
 
+def _optimizer(spec: JobSpec) -> OptimizerSpec:
+    if spec.optimizer is None:  # the spec's own check: only a script job has none
+        raise ValueError("a built-in job's spec names an optimizer")
+    return spec.optimizer
+
+
 def build_optimizer(spec: JobSpec, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    o = spec.optimizer
+    o = _optimizer(spec)
     params = [p for p in model.parameters() if p.requires_grad]
     # On CUDA the fused kernels: one launch for all parameters, and GradScaler hands them the
     # scale and inf flag on the GPU (`_step_supports_amp_scaling`), where with foreach or the
@@ -42,7 +48,7 @@ def build_optimizer(spec: JobSpec, model: nn.Module, device: torch.device) -> to
 
 def lr_schedule(spec: JobSpec, total_steps: int) -> Callable[[int], float]:
     """lr(step) for step = optimizer steps already taken (0 for the first update)."""
-    peak = spec.optimizer.learning_rate
+    peak = _optimizer(spec).learning_rate
     s = spec.schedule
     total = max(total_steps, 1)
     if s.name == "onecycle":

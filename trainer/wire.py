@@ -71,18 +71,23 @@ def encode(value: Any) -> bytes:
     return len(header).to_bytes(_HEAD, "little") + header + b"".join(chunks)
 
 
-def decode(data: bytes) -> Any:
-    """The value `encode` was given (tensors on the CPU); WireError on malformed bytes."""
+def _split(data: bytes) -> tuple[Any, memoryview]:
+    """The JSON header and the tensor data after it."""
     if len(data) < _HEAD:
         raise WireError("truncated: no header length")
     n = int.from_bytes(data[:_HEAD], "little")
     if n > len(data) - _HEAD:
         raise WireError(f"truncated: header of {n} bytes, {len(data) - _HEAD} present")
-    body = memoryview(data)[_HEAD + n :]
     try:
         tree = json.loads(data[_HEAD : _HEAD + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"header is not JSON: {e}") from None
+    return tree, memoryview(data)[_HEAD + n :]
+
+
+def decode(data: bytes) -> Any:
+    """The value `encode` was given (tensors on the CPU); WireError on malformed bytes."""
+    tree, body = _split(data)
 
     def tensor(spec: Any) -> torch.Tensor:
         if not (isinstance(spec, list) and len(spec) == 4):

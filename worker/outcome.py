@@ -92,6 +92,12 @@ def decide(e: Ending) -> Decision | None:
     # the worker began to stop after it.
     if e.rc == exitcodes.OK or (e.finished and e.error is None):
         return Decision(A_SUCCEEDED, "finished", None, False) if e.rank == 0 else None
+    return _handed_back(e, step) or _trainer_ended(e, step)
+
+
+def _handed_back(e: Ending, step: str) -> Decision | None:
+    """A stop that is not the job's fault (a preemption, a stopping worker, a lost store, a
+    full disk): handed back, not counted. None for any other ending."""
     if e.stop_why == STOP_PREEMPT:
         # Handed back, not failed: it resumes from its checkpoint when workers are free.
         return Decision(A_HANDED_BACK, f"preempted by {e.preempted_by}{step}", None, False)
@@ -106,6 +112,11 @@ def decide(e: Ending) -> Decision | None:
         detail = (e.error or {}).get("message") or "no space left on the job's storage"
         why = f"storage full on worker {e.worker_id}{step}: {detail}"
         return Decision(A_HANDED_BACK, why, None, False)
+    return None
+
+
+def _trainer_ended(e: Ending, step: str) -> Decision:
+    """How the trainer ended on its own: its error event first, then its exit status."""
     if e.error is not None:
         kind = str(e.error.get("kind", "internal"))
         msg = f"{kind}: {e.error.get('message', '')}".strip()

@@ -9,6 +9,7 @@ Create Date: 2026-11-26
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -19,7 +20,7 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
-def _table(name: str, *extra: sa.Column) -> None:  # type: ignore[type-arg]
+def _table(name: str, *extra: sa.Column[Any]) -> None:
     op.create_table(
         name,
         sa.Column("secret_hash", sa.String(length=64), nullable=False),
