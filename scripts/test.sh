@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: make the venv from the repo's files, lint, run every test.
+# The README's test command: make the venv from the repo's files, lint, check formatting
+# and types, run every test.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -m e2e`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +27,6 @@ if command -v npm >/dev/null 2>&1; then
   bash scripts/build_web.sh
 fi
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
+bash scripts/typecheck.sh
 .venv/bin/python -m pytest "$@"

@@ -1,28 +1,30 @@
 """The import rules of docs/architecture.md, read from the source with `ast` (every import statement,
-also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("literal")):
+also inside functions and `if TYPE_CHECKING:`, and importlib.import_module("literal")).
 
-- `trainer` imports nothing of ours but `torchyard.job` (the module a script job's own code
-  talks to, whose backend the trainer installs) and no service library (fastapi, celery,
-  sqlalchemy, redis, kombu, …): it runs under plain torchrun.
+Each part may import only the parts of ours listed in ALLOWED (and itself):
+
+- `contracts` (spec, events, exit codes, states) imports pydantic and the standard library
+  only: every part, the trainer and the client included, reads it without torch.
+- `trainer` imports only `contracts` and `torchyard.job` (the module a script job's own code
+  talks to, whose backend the trainer installs) of ours, and no service library (fastapi,
+  celery, sqlalchemy, redis, kombu, …): it runs under plain torchrun.
 - `torchyard/job.py` imports torch and the standard library only at module level (and
   safetensors inside a function), so that a user's script needs nothing else of ours.
-- `contracts/spec.py` imports pydantic only (and the standard library), never torch;
-  `contracts/eventmodel.py` likewise; `trainer/__init__.py`, `contracts/exitcodes.py`,
-  `contracts/eventfiles.py` and `contracts/parent.py` import the standard library only, so
-  the API and the worker load them without torch.
-- `api` and `worker` import `store`, `broker`, `scheduler` and `trainer.spec`
-  (`trainer.exitcodes`, `trainer.eventfiles`, `trainer.eventmodel`, `trainer.parent` too),
-  never each other and never the trainer's training code.
-- `broker` (the Celery app and the embedded transport) imports `store.settings` only.
-- `scheduler` (the scheduling pass and its policy) imports `store` and `trainer.spec` only.
-- `store` sits below them all: it imports neither api, worker, broker, scheduler, client
-  nor training code.
-- `client` imports nothing server-side: HTTP only.
+- `torchyard/settings.py` (the one settings object) imports nothing of ours.
+- `storage` (where a run's files live) imports `contracts` and the settings.
+- `store` sits below every service: `contracts`, `storage` and the settings, never
+  `trainer`, `api`, `worker`, `broker`, `scheduler` nor `client`.
+- `broker` (the Celery app and the embedded transport) imports the settings only.
+- `scheduler` (the pool: admission, the scheduling pass, the sweep controller, its process)
+  imports `store`, `storage`, `broker`, `contracts` and the settings.
+- `api` and `worker` import those too (the api also `scheduler`), never each other and
+  never the trainer: a CUDA fault in training cannot take a worker down.
+- `client` speaks HTTP: of ours it imports `contracts` only.
 - Every part is installed and imported under the one `torchyard` namespace (the repository's
   `trainer/` folder is `torchyard.trainer`): no file imports a bare `trainer`, `store`, ….
 
-Rules are written with the part's short name (`trainer.spec`); an import of
-`torchyard.contracts.spec` is read as that.
+Rules are written with the part's short name: `torchyard.contracts.spec` is read as
+`contracts.spec`, `torchyard.settings` as `torchyard.settings`.
 """
 
 from __future__ import annotations
@@ -36,18 +38,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = {"trainer", "store", "api", "worker", "client", "migrations", "broker", "scheduler"}
+PARTS = {"trainer", "store", "api", "worker", "client", "migrations", "broker", "scheduler",
+         "contracts", "storage"}  # fmt: skip
 # (folders = subpackages)
 OURS = PARTS | {"torchyard"}
 SERVICE_LIBS = {"fastapi", "starlette", "uvicorn", "celery", "kombu", "sqlalchemy", "alembic",
                 "redis", "psycopg", "psycopg2", "pydantic_settings"}  # fmt: skip
-TRAINER_PUBLIC = {
-    "trainer.spec",
-    "trainer.exitcodes",
-    "trainer.eventfiles",
-    "trainer.parent",
-    "trainer.eventmodel",
-}  # torch-free, for api and worker
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
 
@@ -77,7 +73,7 @@ def _module_name(path: Path) -> str:
 
 
 def _short(name: str) -> str:
-    """torchyard.contracts.spec -> trainer.spec (what the rules are written in)."""
+    """torchyard.contracts.spec -> contracts.spec (what the rules are written in)."""
     head, _, rest = name.partition(".")
     if head == "torchyard" and rest.split(".")[0] in PARTS:
         return rest
@@ -140,19 +136,44 @@ def _violations(imports: list[Import], bad) -> list[str]:
     return [str(i) for i in imports if bad(i)]
 
 
-TRAINER_MAY_IMPORT = {"torchyard.job"}  # of ours, outside trainer/
+SETTINGS, JOB = "torchyard.settings", "torchyard.job"
+ALLOWED: dict[str, set[str]] = {
+    "contracts": set(),
+    "trainer": {"contracts", JOB},
+    "storage": {"contracts", SETTINGS},
+    "store": {"contracts", "storage", SETTINGS},
+    "broker": {SETTINGS},
+    "scheduler": {"contracts", "store", "storage", "broker", SETTINGS},
+    "api": {"contracts", "store", "storage", "broker", "scheduler", SETTINGS},
+    "worker": {"contracts", "store", "storage", "broker", SETTINGS},
+    "client": {"contracts"},
+    "migrations": {"contracts", "store", SETTINGS},
+}
+"""Of ours, what each part may import besides itself."""
 
 
-def test_trainer_imports_nothing_of_ours_and_no_service_library() -> None:
-    found = package_imports("trainer")
+def _allowed(part: str, i: Import) -> bool:
+    if i.top not in OURS or i.top == part:
+        return True
+    return any(i.module == a or i.module.startswith(f"{a}.") or i.top == a for a in ALLOWED[part])
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_each_part_imports_only_the_parts_below_it(part: str) -> None:
+    found = package_imports(part)
     assert found, "parsed nothing"
-    bad = _violations(
-        found,
-        lambda i: (
-            (i.top in OURS and i.top != "trainer" and i.module not in TRAINER_MAY_IMPORT)
-            or i.top in SERVICE_LIBS
-        ),
-    )
+    bad = _violations(found, lambda i: not _allowed(part, i))
+    assert not bad, f"{part} may import {sorted(ALLOWED[part])} of ours:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("part", ["trainer", "contracts"])
+def test_trainer_and_contracts_import_no_service_library(part: str) -> None:
+    bad = _violations(package_imports(part), lambda i: i.top in SERVICE_LIBS)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_settings_module_imports_nothing_of_ours() -> None:
+    bad = _violations(imports_of(REPO / "torchyard" / "settings.py"), lambda i: i.top in OURS)
     assert not bad, "\n".join(bad)
 
 
@@ -194,29 +215,27 @@ def test_the_job_module_imports_only_torch_and_the_standard_library() -> None:
     assert out.stdout.strip() == "", f"loaded: {out.stdout.strip()}"
 
 
+PYDANTIC = {"pydantic", "pydantic_core"}
+
+
 @pytest.mark.parametrize(
-    ("module", "allowed"),
-    [
-        ("contracts/spec.py", STDLIB | {"pydantic", "pydantic_core"}),
-        ("contracts/exitcodes.py", STDLIB),
-        ("contracts/eventfiles.py", STDLIB),
-        ("contracts/parent.py", STDLIB),
-        ("contracts/eventmodel.py", STDLIB | {"pydantic", "pydantic_core"}),
-        ("trainer/__init__.py", STDLIB),
-    ],
+    "module", [*sorted(p.name for p in (REPO / "contracts").glob("*.py")), "trainer/__init__.py"]
 )
-def test_torch_free_trainer_modules(module: str, allowed: set[str]) -> None:
-    path = REPO / module
-    bad = _violations(imports_of(path), lambda i: i.top not in allowed)
+def test_contracts_are_torch_free(module: str) -> None:
+    """Every contracts module (and the trainer's package file) imports pydantic and the
+    standard library only, so the API, the worker and the client load them without torch."""
+    path = REPO / module if "/" in module else REPO / "contracts" / module
+    allowed = STDLIB | PYDANTIC if "/" not in module else STDLIB
+    bad = _violations(imports_of(path), lambda i: i.top not in allowed | {"contracts"})
     assert not bad, "\n".join(bad)
 
 
-def test_spec_and_exitcodes_load_without_torch() -> None:
-    """The same rule, run: importing them must not pull torch in (directly or through
-    trainer/__init__.py)."""
+def test_contracts_load_without_torch() -> None:
+    """The same rule, run: importing every contracts module must not pull torch in."""
     code = (
-        "import sys, torchyard.contracts.spec, torchyard.contracts.exitcodes, "
-        "torchyard.contracts.eventfiles, torchyard.contracts.parent, torchyard.contracts.eventmodel; "
+        "import sys, pkgutil, importlib, torchyard.contracts as c; "
+        "[importlib.import_module(f'torchyard.contracts.{m.name}') "
+        "for m in pkgutil.iter_modules(c.__path__)]; "
         "heavy = sorted(m for m in ('torch', 'numpy', 'torchvision') if m in sys.modules); "
         "print(','.join(heavy))"
     )
@@ -224,37 +243,6 @@ def test_spec_and_exitcodes_load_without_torch() -> None:
                          timeout=60, env={"PATH": ""})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"loaded: {out.stdout.strip()}"
-
-
-def _uses_trainer_beyond_spec(i: Import) -> bool:
-    return i.top == "trainer" and i.module not in TRAINER_PUBLIC
-
-
-@pytest.mark.parametrize(("package", "forbidden"), [
-    ("api", {"worker", "client"}),
-    ("worker", {"api", "client"}),
-    ("store", {"api", "worker", "client", "broker", "scheduler"}),
-    ("scheduler", {"api", "worker", "client", "broker"}),
-])  # fmt: skip
-def test_server_packages_keep_their_layers(package: str, forbidden: set[str]) -> None:
-    found = package_imports(package)
-    bad = _violations(found, lambda i: i.top in forbidden or _uses_trainer_beyond_spec(i))
-    assert not bad, "\n".join(bad)
-
-
-def test_scheduler_uses_only_the_trainer_spec() -> None:
-    """The next issue's API imports the scheduler for its queue view: it must stay free of
-    the trainer's other modules (and so of torch)."""
-    bad = _violations(package_imports("scheduler"),
-                      lambda i: i.top == "trainer" and i.module != "trainer.spec")  # fmt: skip
-    assert not bad, "\n".join(bad)
-
-
-def test_broker_imports_only_the_store_settings() -> None:
-    found = package_imports("broker")
-    assert found, "parsed nothing"
-    bad = _violations(found, lambda i: i.top in OURS and i.module != "store.settings")
-    assert not bad, "\n".join(bad)
 
 
 def test_client_imports_nothing_server_side() -> None:
@@ -275,8 +263,8 @@ def test_the_checker_sees_what_it_must(tmp_path: Path) -> None:
         "    return importlib.import_module('celery')\n"
     )
     found = {i.module for i in imports_of(sample, me="torchyard.trainer.sample")}
-    assert found == {"os", "trainer.exitcodes", "trainer.data", "trainer.models", "sqlalchemy.orm",
-                     "importlib", "celery"}  # fmt: skip
+    assert found == {"os", "contracts.exitcodes", "trainer.data", "trainer.models",
+                     "sqlalchemy.orm", "importlib", "celery"}  # fmt: skip
 
 
 def test_every_import_of_ours_goes_through_the_torchyard_namespace() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from specs import synthetic_spec
 from sqlalchemy import select, update
 
 from torchyard.settings import Settings
@@ -30,13 +31,7 @@ from torchyard_testdb import Factory, sqlite_template
 BLOB = b"PK\x03\x04" + bytes(range(256)) * 64  # a torch.save zip, as far as the client sees
 __all__ = ["BLOB", "SPEC", "STEPS", "Recorder", "Store", "sqlite_template"]
 STEPS = 4
-SPEC: dict[str, Any] = {
-    "name": "t",
-    "model": {"name": "mlp", "hidden": [16]},
-    "data": {"name": "synthetic", "shape": [1, 8, 8], "num_classes": 4, "size": 64},
-    "optimizer": {"name": "sgd", "lr": 0.1},
-    "epochs": 1,
-}
+SPEC: dict[str, Any] = synthetic_spec(name="t")
 
 
 class Store(Factory):

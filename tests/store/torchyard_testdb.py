@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from specs import synthetic_spec
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -35,12 +36,7 @@ from torchyard.store.states import (
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
-SPEC: dict[str, Any] = {
-    "model": {"name": "mlp", "hidden": [16]},
-    "data": {"name": "synthetic", "shape": [1, 8, 8], "num_classes": 4, "size": 64},
-    "optimizer": {"name": "sgd", "lr": 0.1},
-    "epochs": 1,
-}
+SPEC: dict[str, Any] = synthetic_spec()
 
 # Paths to reach each state from queued, through the state machine.
 _PATHS = {

@@ -9,6 +9,7 @@ import random
 from datetime import timedelta
 from typing import Any
 
+from specs import digits_spec
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
@@ -17,13 +18,7 @@ from torchyard.store.metrics import ingest_metrics
 from torchyard.store.models import Job, User, utcnow
 from torchyard.store.states import transition
 
-SPEC: dict[str, Any] = {
-    "model": {"name": "mlp", "hidden": [32]},
-    "data": {"name": "digits"},
-    "optimizer": {"name": "sgd", "lr": 0.05},
-    "batch_size": 64,
-    "epochs": 3,
-}
+SPEC: dict[str, Any] = digits_spec(epochs=3)
 BATCH = 50_000
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from sklearn.datasets import load_digits
+from specs import digits_spec
 from sqlalchemy import select
 from worker_cluster import (
     BACKENDS,
@@ -36,15 +37,7 @@ import torchyard
 
 pytestmark = pytest.mark.e2e
 
-DIGITS: dict[str, Any] = {
-    "model": {"name": "mlp", "hidden": [32]},
-    "data": {"name": "digits"},
-    "optimizer": {"name": "sgd", "lr": 0.05},
-    "batch_size": 64,
-    "epochs": 3,
-    "log_every_steps": 1,
-    "seed": 3,
-}
+DIGITS: dict[str, Any] = digits_spec(epochs=3, log_every_steps=1, seed=3)
 # Long enough (~ several seconds of training on one CPU thread) to be killed mid-epoch,
 # with a resume checkpoint every 40 steps.
 LONG: dict[str, Any] = {

@@ -8,19 +8,14 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
+from specs import digits_spec
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from torchyard.store.db import dispose_engines
 from torchyard.store.models import Job, User, Worker, utcnow
 
-DIGITS_SPEC: dict[str, Any] = {
-    "model": {"name": "mlp", "hidden": [32]},
-    "data": {"name": "digits"},
-    "optimizer": {"name": "sgd", "lr": 0.05},
-    "batch_size": 64,
-    "epochs": 2,
-}
+DIGITS_SPEC: dict[str, Any] = digits_spec()
 
 
 def create_schema(url: str) -> None:
