@@ -1,7 +1,8 @@
 """One error shape for every failure: `{"error": {"code", "message", "details"}}`.
 
 ApiError is raised by routes; the handlers below also turn FastAPI's own errors
-(validation, 404 for unknown routes, 405) and the store's (illegal transition) into it.
+(validation, 404 for unknown routes, 405), the store's (illegal transition) and a refused
+submit (scheduler/submit.py: `refused`, the one mapping of its refusals) into it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from torchyard.api.schemas import ErrorBody
+from torchyard.scheduler.submit import SubmitRefused
 from torchyard.store.states import IllegalTransition
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,23 @@ def not_found(what: str = "job") -> ApiError:
     return ApiError(404, f"{what} not found")
 
 
+# A refused submit's status, by the refusal's code.
+REFUSED_STATUS = {
+    "invalid": 422,
+    "forbidden": 403,
+    "quota_exceeded": 429,
+    "idempotency_conflict": 409,
+}
+
+
+def refused(e: SubmitRefused) -> ApiError:
+    """A refused submit as the API answers it: 422 naming every problem (code
+    validation_error, as every 422), 403 forbidden, 429 quota_exceeded (nothing stored), 409
+    idempotency_conflict."""
+    code = None if e.code == "invalid" else e.code
+    return ApiError(REFUSED_STATUS[e.code], e.message, code=code, details=e.details)
+
+
 def _field(loc: tuple[Any, ...]) -> str:
     # ("query", "limit") -> "limit"; ("body", "x", 0) -> "body.x.0"
     parts = [str(p) for p in loc]
@@ -116,6 +135,11 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     message = exc.detail if isinstance(exc.detail, str) else CODES.get(exc.status_code, "error")
     return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+
+async def _submit_refused(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, SubmitRefused)
+    return await _api_error(request, refused(exc))
 
 
 async def _illegal_transition(_request: Request, exc: Exception) -> JSONResponse:
@@ -159,6 +183,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(SubmitRefused, _submit_refused)
     app.add_exception_handler(IllegalTransition, _illegal_transition)
     app.add_exception_handler(OperationalError, _database_down)
     app.add_exception_handler(InterfaceError, _database_down)

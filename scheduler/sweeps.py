@@ -16,9 +16,11 @@ quotas and preemption treat it like any other. Per sweep, under its row lock:
    anyone but the pruner) -> failed. Optuna is told the outcomes after the commit.
 2. launch (a second transaction): while fewer than `parallel` trial jobs are live, fewer than
    `max_trials` trials were asked for, and the owner's max_queued quota leaves room: ask
-   Optuna, set the values into a copy of the base spec, and store the job and its trial row
-   together. Values that make an invalid spec fail that trial at once (no job). Once every
-   trial has an outcome the sweep ends: succeeded, or failed when none completed.
+   Optuna, set the values into a copy of the base spec, and submit it as the owner through
+   the one submit path every job takes (scheduler/submit.py: every rule a POST /v1/jobs
+   checks), storing the job and its trial row together. A spec the submit refuses (invalid
+   values, a permission the owner lacks, a bundle gone) fails that trial at once (no job).
+   Once every trial has an outcome the sweep ends: succeeded, or failed when none completed.
 
 A crash anywhere leaves nothing behind: a trial row is written with its job in one
 transaction, the Optuna trial it names was asked for before, and every pass first settles
@@ -44,14 +46,12 @@ from pydantic import TypeAdapter
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from torchyard.contracts import datasets
-from torchyard.contracts import spec as job_spec
 from torchyard.scheduler import space as sp
+from torchyard.scheduler import submit, submitchecks
 from torchyard.settings import Settings
 from torchyard.store.db import session_scope
-from torchyard.store.jobs import create_job, request_cancel
+from torchyard.store.jobs import request_cancel
 from torchyard.store.models import Job, Sweep, SweepTrial
-from torchyard.store.quotas import over_max_queued
 from torchyard.store.states import (
     CANCELLED,
     FAILED,
@@ -248,8 +248,10 @@ class SweepController:
             live = sum(1 for _, j in rows if j is not None and j.state not in TERMINAL)
             asked, started, tells = len(rows), 0, []
             while live < sweep.parallel and asked < sweep.max_trials:
-                if (why := over_max_queued(s, sweep.owner_id)) is not None:
-                    log.info("sweep %s: next trial waits: %s", sweep.id, why)
+                # The submit's own quota rule, asked first: a full queue holds the next trial
+                # back (it is not asked for), where a submit would refuse it.
+                if (full := submitchecks.queue_refusal(s, sweep.owner_id)) is not None:
+                    log.info("sweep %s: next trial waits: %s", sweep.id, full.message)
                     break
                 trial = self._ask(s, sweep, asked)
                 asked += 1
@@ -267,29 +269,29 @@ class SweepController:
         study.sampler = make_sampler(sweep, space, asked)
         asked_trial = study.ask(sp.distributions(space))
         values = sp.decode(space, asked_trial.params)
-        spec, problem = self.trial_spec(sweep, values)
-        if spec is None:
+        name = f"{sweep.name}-{asked_trial.number}"[:200]
+        job_id, problem = self.submit_trial(session, sweep, values, name)
+        if job_id is None:
             log.info("sweep %s: trial %d failed: %s", sweep.id, asked_trial.number, problem)
             return add_trial(session, sweep, asked_trial.number, values, None, error=problem)
-        name = f"{sweep.name}-{asked_trial.number}"[:200]
-        job, _ = create_job(session, sweep.owner_id, spec, name=name, sweep_id=sweep.id)
-        log.info("sweep %s: trial %d is job %s %s", sweep.id, asked_trial.number, job.id, values)
-        return add_trial(session, sweep, asked_trial.number, values, job.id)
+        log.info("sweep %s: trial %d is job %s %s", sweep.id, asked_trial.number, job_id, values)
+        return add_trial(session, sweep, asked_trial.number, values, job_id)
 
-    def trial_spec(
-        self, sweep: Sweep, values: dict[str, Any]
-    ) -> tuple[dict[str, Any] | None, str | None]:
-        """The trial's normalised spec, or None and why it is invalid (checked as at
-        submit: the spec itself and the server's size limits)."""
+    def submit_trial(
+        self, session: Session, sweep: Sweep, values: dict[str, Any], name: str
+    ) -> tuple[str | None, str | None]:
+        """The trial's job, submitted as its owner through the submit service (every rule
+        of a POST /v1/jobs) in this transaction; or None and why it was refused."""
         try:
-            spec = job_spec.parse_spec(sp.with_params(sweep.spec, values))
-        except (job_spec.SpecError, sp.PathError) as e:
+            obj = sp.with_params(sweep.spec, values)
+        except sp.PathError as e:
             return None, f"invalid spec: {e}"
-        st = self.settings
-        problems = datasets.limit_problems(spec, st.max_model_params, st.max_data_bytes)
-        if problems:
-            return None, "invalid spec: " + "; ".join(f"{f}: {m}" for f, m in problems)
-        return job_spec.spec_to_dict(spec), None
+        owner = submit.Owner.load(session, sweep.owner_id)
+        try:
+            done = submit.submit(session, self.settings, owner, obj, name=name, sweep_id=sweep.id)
+        except submit.SubmitRefused as e:
+            return None, e.message
+        return done.job.id, None
 
 
 def report(session: Session, metric: str, trial: SweepTrial, job: Job, live: Trial) -> bool:

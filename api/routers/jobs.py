@@ -1,4 +1,5 @@
-"""Submit, list, show and cancel jobs."""
+"""Submit, list, show and cancel jobs. A submit is the submit service's (scheduler/submit.py:
+every rule, the store); this router reads the body, answers and wakes the scheduler."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api import codechecks
 from torchyard.api.deps import (
     CurrentUser,
     Principal,
@@ -19,31 +19,22 @@ from torchyard.api.deps import (
     SettingsDep,
     read_engine,
 )
-from torchyard.api.errors import ApiError, not_found, responses, validation_error
+from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
 from torchyard.broker import app as broker
-from torchyard.contracts import datasets
-from torchyard.contracts import spec as job_spec
-from torchyard.scheduler.policy import Kind, describe_kind, kind_of
+from torchyard.scheduler import submit
 from torchyard.settings import Settings
 from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.jobs import (
     BadCursor,
-    IdempotencyConflict,
-    create_job,
     get_job,
-    idempotency_key_used,
     job_snapshot,
     job_version,
     list_jobs,
     request_cancel,
 )
-from torchyard.store.models import User
-from torchyard.store.queue import live_counts
-from torchyard.store.quotas import over_max_queued
 from torchyard.store.states import STATES
-from torchyard.store.workers import stale_cutoff
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -56,137 +47,29 @@ SUBMIT_BODY = {
 }
 
 
-Problems = list[tuple[str, str]]
-
-
-def check_spec(obj: Any, settings: Settings) -> tuple[job_spec.JobSpec | None, Problems]:
-    """A decoded spec checked before anything touches the store: the spec itself and what
-    only the server knows, every problem at once. When the spec does not parse, the
-    server's checks still run on the fields that are readable (a world_size above
-    TORCHYARD_MAX_WORLD_SIZE is reported beside a batch_size it does not divide)."""
-    try:
-        spec = job_spec.parse_spec(obj)
-    except job_spec.SpecError as e:
-        named = {f for f, _ in e.problems}
-        extra = [(f, m) for f, m in _raw_server_checks(obj, settings) if f not in named]
-        return None, e.problems + extra
-    return spec, _server_checks(spec, settings)
-
-
-def _raw_server_checks(obj: Any, settings: Settings) -> Problems:
-    """The server's checks of a spec that did not parse, on the fields that have the right
-    type (an `entrypoint` job has no data set of torchyard's to look for)."""
-    if not isinstance(obj, dict):
-        return []
-    data = obj.get("data")
-    name = data.get("name") if isinstance(data, dict) and "entrypoint" not in obj else None
-    world = obj.get("world_size")
-    return _place_checks(
-        settings,
-        name if isinstance(name, str) else None,
-        world if isinstance(world, int) and not isinstance(world, bool) else None,
-    )
-
-
-def _place_checks(settings: Settings, data: str | None, world_size: int | None) -> Problems:
-    """The data set is on disk; the world size is allowed."""
-    problems = []
-    missing = [str(p) for p in datasets.missing_dataset_files(data, settings.data)] if data else []
-    if missing:
-        problems.append(
-            (
-                "data.name",
-                f"data set '{data}' is not on the server; looked for " + ", ".join(missing),
-            )
-        )
-    if world_size is not None and world_size > settings.max_world_size:
-        problems.append(
-            ("world_size", f"must be <= {settings.max_world_size} (TORCHYARD_MAX_WORLD_SIZE)")
-        )
-    return problems
-
-
-def _server_checks(spec: job_spec.JobSpec, settings: Settings) -> Problems:
-    """What only the server knows: the data set is on disk, the world size is allowed, the
-    model and the data set are within the size limits. (A script job has no `data`: its
-    script reads its own.)"""
-    problems = _place_checks(settings, spec.data.name if spec.data else None, spec.world_size)
-    # Each field has its cap but their product does not: refuse a model or data set too
-    # large for the server before it is stored (nothing to clean up, no OOM on a worker).
-    problems += datasets.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
-    return problems
-
-
-def _pool_warnings(session: Session, settings: Settings, world_size: int) -> Problems:
-    """A world size no group of live workers of one kind can give now: the job is queued all
-    the same (workers may register later) and its pending reason will say why it waits.
-    No worker at all for a one-worker job is a pool starting up or scaled to zero: no
-    warning."""
-    kinds: dict[Kind, int] = {}
-    for device, name, count in live_counts(
-        session, stale_cutoff(session, settings.heartbeat_timeout_s)
-    ):
-        k = kind_of(device, name)
-        kinds[k] = kinds.get(k, 0) + count
-    best = max(kinds.values(), default=0)
-    if world_size <= best or (not kinds and world_size == 1):
-        return []
-    registered = ", ".join(f"{c} {describe_kind(k)}" for k, c in sorted(kinds.items(), key=str))
-    if len(kinds) > 1:
-        have = f"the largest group of one kind registered now, {best} (a job never mixes CPU "
-        have += f"and GPU workers or GPU models; registered: {registered})"
-    else:
-        have = f"the {best} workers registered now ({registered or 'none'})"
-    message = f"{world_size} is more than {have}: the job waits in the queue until enough register"
-    return [("world_size", message)]
-
-
-def _reference_problems(
-    factory: sessionmaker[Session], settings: Settings, user: Principal, spec: job_spec.JobSpec
-) -> list[tuple[str, str]]:
-    with factory() as session:
-        return codechecks.reference_problems(session, settings.storage, user, spec)
-
-
-def _store_job(
-    factory: sessionmaker[Session],
+def _submit(
+    sessions: tuple[sessionmaker[Session], sessionmaker[Session]],
     settings: Settings,
     user: Principal,
-    spec: job_spec.JobSpec,
+    obj: Any,
     key: str | None,
 ) -> tuple[SubmittedJob, bool]:
-    """Store the job (or find the one stored with `key`) and answer with its warnings: the
-    spec's own (batch size) and the pool's (workers registered), read after the commit."""
-    with factory() as session:
-        _check_max_queued(session, user, key)
-        stored = job_spec.spec_to_dict(spec)
-        job, created = create_job(
-            session, user.id, stored, name=spec.display_name, idempotency_key=key
-        )
+    """The submit service (scheduler/submit.py) in one worker-thread hop: checked on a read
+    session (a reference lookup never takes SQLite's write lock), stored on a write session,
+    its warnings read after the commit. Returns the answer and whether the scheduler must be
+    woken; a refusal (SubmitRefused) is answered by api/errors.py."""
+    read_sessions, write_sessions = sessions
+    with read_sessions() as reads:
+        admitted = submit.Admission(reads, settings, user).admit(obj)
+    with write_sessions() as session:
+        done = submit.enqueue(session, admitted, key=key)
         session.commit()
-        out = _snapshot_out(session, user, job.id)
-        warnings = datasets.size_warnings(spec, settings.data)
-        warnings += _pool_warnings(session, settings, spec.world_size)
+        out = _snapshot_out(session, user, done.job.id)
+        warnings = submit.warnings(session, settings, done.spec)
     body = SubmittedJob(
         **dict(out), warnings=[SpecWarning(field=f, message=m) for f, m in warnings]
     )
-    return body, created
-
-
-def _check_max_queued(session: Session, user: Principal, key: str | None) -> None:
-    """429 when the user's queued jobs already fill their quota, in the transaction that
-    would store the job (over_max_queued locks the user's row, so two submits cannot both
-    take the last place). A retry with a used Idempotency-Key stores nothing: not refused
-    (read after the lock, so a concurrent first try with that key is seen)."""
-    refused = over_max_queued(session, user.id)
-    if refused is None or (key is not None and idempotency_key_used(session, user.id, key)):
-        return
-    owner = session.get(User, user.id)
-    # No `message` in the detail: the message says it all, and clients print both.
-    limit = owner.max_queued if owner is not None else None
-    raise ApiError(
-        429, refused, code="quota_exceeded", details=[{"field": "max_queued", "limit": limit}]
-    )
+    return body, done.wake
 
 
 def _snapshot_out(session: Session, user: Principal, job_id: str) -> JobOut:
@@ -247,28 +130,12 @@ async def submit_job(
         obj = json.loads(raw) if raw else None
     except (ValueError, UnicodeDecodeError) as e:
         raise validation_error([("body", f"not valid JSON: {e}")], "spec") from None
-    spec, problems = check_spec(obj, settings)
-    if spec is None:
-        raise validation_error(problems, "spec")
-    codechecks.check_code_permission(user, spec)
-    codechecks.check_priority_permission(user, spec)
-    if codechecks.needs_store(spec):
-        problems += await run_in_threadpool(
-            _reference_problems, request.app.state.read_sessions, settings, user, spec
-        )
-    if problems:
-        raise validation_error(problems, "spec")
-    try:
-        job, created = await run_in_threadpool(
-            _store_job, request.app.state.sessions, settings, user, spec, idempotency_key
-        )
-    except IdempotencyConflict as e:
-        raise ApiError(
-            409, str(e), code="idempotency_conflict", details={"job_id": e.job_id}
-        ) from None
-    if created:
+    state = request.app.state  # read now: tests swap the sessions
+    sessions = (state.read_sessions, state.sessions)
+    job, wake = await run_in_threadpool(_submit, sessions, settings, user, obj, idempotency_key)
+    if wake:
         background.add_task(broker.wake_scheduler, settings)
-    else:
+    else:  # the job first stored with this Idempotency-Key
         response.status_code = 200
     return job
 

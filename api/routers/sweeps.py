@@ -1,10 +1,11 @@
 """Create, list, show and cancel hyperparameter sweeps. A sweep's trials are ordinary jobs
 of its owner, queued by the scheduler's sweep controller (scheduler/sweeps.py).
 
-At create time the base spec and every bound and choice of the space are checked as a job
-submit checks a spec (trainer.spec, then the server's checks of api/routers/jobs.py and
-api/codechecks.py), each value set alone into the base spec: a problem names the
-parameter's field (`space.optimizer.lr.low`)."""
+At create time the base spec and every bound and choice of the space, each value set alone
+into the base spec, are checked by the submit service's checks (scheduler/submit.py:
+`Admission`, every rule a job submit checks but the quota, as the controller submits each
+trial through it): a problem names the parameter's field (`space.optimizer.lr.low`), a
+refusal (403) is answered by api/errors.py."""
 
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api import codechecks
 from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
 from torchyard.api.errors import not_found, responses, validation_error
-from torchyard.api.routers.jobs import check_spec
 from torchyard.api.sweep_schemas import SweepIn, SweepList, SweepOut, input_problems
 from torchyard.broker import app as broker
 from torchyard.contracts import spec as job_spec
 from torchyard.scheduler import space as sp
+from torchyard.scheduler import submit
 from torchyard.settings import Settings
 from torchyard.store.jobs import BadCursor
 from torchyard.store.sweeps import (
@@ -64,39 +64,17 @@ CREATE_BODY = {
 }
 
 
-class _Checker:
-    """The checks of one create request, run in a worker thread with one read session."""
-
-    def __init__(self, session: Session, settings: Settings, user: Principal):
-        self.session, self.settings, self.user = session, settings, user
-        self._refs: dict[str, Problems] = {}
-
-    def spec_problems(self, obj: Any) -> tuple[job_spec.JobSpec | None, Problems]:
-        """A spec checked as POST /v1/jobs checks one (403 for code the user may not run)."""
-        spec, problems = check_spec(obj, self.settings)
-        if spec is None:
-            return None, problems
-        codechecks.check_code_permission(self.user, spec)
-        if codechecks.needs_store(spec):
-            key = json.dumps([obj.get("code"), obj.get("init")], sort_keys=True)
-            if key not in self._refs:  # the same references: looked up once
-                self._refs[key] = codechecks.reference_problems(
-                    self.session, self.settings.storage, self.user, spec
-                )
-            problems = problems + self._refs[key]
-        return spec, problems
-
-    def corner_problems(self, base: dict[str, Any], space: sp.Space) -> Problems:
-        """Each bound and choice set alone into the base spec, checked."""
-        problems: Problems = []
-        for path, field, value in sp.iter_corner_params(space):
-            try:
-                _, found = self.spec_problems(sp.with_params(base, {path: value}))
-            except sp.PathError as e:
-                problems.append((f"space.{path}", str(e)))
-                continue
-            problems += [_corner_problem(path, field, f, m) for f, m in found]
-        return list(dict.fromkeys(problems))
+def _corner_problems(check: submit.Admission, base: dict[str, Any], space: sp.Space) -> Problems:
+    """Each bound and choice set alone into the base spec, checked."""
+    problems: Problems = []
+    for path, field, value in sp.iter_corner_params(space):
+        try:
+            _, found = check.check(sp.with_params(base, {path: value}))
+        except sp.PathError as e:
+            problems.append((f"space.{path}", str(e)))
+            continue
+        problems += [_corner_problem(path, field, f, m) for f, m in found]
+    return list(dict.fromkeys(problems))
 
 
 def _corner_problem(path: str, field: str, f: str, m: str) -> tuple[str, str]:
@@ -131,13 +109,14 @@ def _objective_problems(s: SweepIn, spec: job_spec.JobSpec) -> Problems:
 def _checked(
     factory: sessionmaker[Session], settings: Settings, user: Principal, s: SweepIn
 ) -> NewSweep:
-    """The sweep to store, or 422 naming every problem (403: code the user may not run)."""
+    """The sweep to store, or 422 naming every problem (SubmitRefused: what the user may not
+    do, such as run code without the permission)."""
     with factory() as session:
-        check = _Checker(session, settings, user)
-        spec, problems = check.spec_problems(s.spec)
+        check = submit.Admission(session, settings, user)
+        spec, problems = check.check(s.spec)
         problems = [(f"spec.{f}", m) for f, m in problems] + _space_problems(s)
         if spec is not None and not problems:
-            problems = _objective_problems(s, spec) + check.corner_problems(s.spec, s.space)
+            problems = _objective_problems(s, spec) + _corner_problems(check, s.spec, s.space)
     if problems or spec is None:
         raise validation_error(problems, "sweep")
     trials = min(s.trials, sp.grid_size(s.space)) if s.sampler == "grid" else s.trials
@@ -176,8 +155,9 @@ def _out(session: Session, user: Principal, sweep_id: str) -> SweepOut:
     response_model=SweepOut,
     summary="Start a sweep",
     description="Checks the base spec and every bound and choice of the space as a job "
-    "submit would (422 naming each field, e.g. `space.optimizer.lr.low`; 403 for code the "
-    "user may not run), stores the sweep and wakes the scheduler, whose sweep controller "
+    "submit would (422 naming each field, e.g. `space.optimizer.lr.low`; 403 for what the "
+    "user may not submit: code without the permission, a priority above 0 with preemptible: "
+    "false from a non-admin), stores the sweep and wakes the scheduler, whose sweep controller "
     "then queues the trials as jobs of the user, `parallel` at a time.",
     responses=responses(401, 403, 413, 422, 503),
     openapi_extra=CREATE_BODY,

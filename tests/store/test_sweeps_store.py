@@ -16,6 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text, update
 from torchyard_testdb import SPEC, Factory
 
+from torchyard.scheduler import submit
 from torchyard.scheduler import sweeps as controller
 from torchyard.scheduler.sweeps import SweepController
 from torchyard.settings import Settings
@@ -238,7 +239,7 @@ def test_a_crash_between_ask_and_insert_leaves_no_trial_running(
     def crash(*_: Any, **__: Any) -> None:
         raise RuntimeError("killed after asking Optuna, before the job was stored")
 
-    monkeypatch.setattr(controller, "create_job", crash)
+    monkeypatch.setattr(submit, "create_job", crash)  # the trial's submit stores its job
     first = SweepController(settings)
     assert first.run_pass() == 0  # the pass failed and was rolled back; the loop goes on
     assert trials(db_url, sid) == []

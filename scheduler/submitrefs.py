@@ -1,7 +1,5 @@
-"""Submit-time checks of what a spec asks beyond torchyard's own loop: the permission to run
-one's own code or to hold a priority nobody can preempt, and the references a spec makes to
-things on the server (a code bundle and its entrypoint script, another job's weights for
-`init`).
+"""The references a spec makes to things on the server, checked at submit (scheduler/submit.py):
+a code bundle and its entrypoint script, another job's weights for `init`.
 
 A reference is checked against what the submitting user may see: a bundle they uploaded, a
 job of theirs (admins: any), so that ids of other users' things lead nowhere.
@@ -13,43 +11,15 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from torchyard.api.deps import Principal
-from torchyard.api.errors import ApiError
 from torchyard.contracts.spec import CodeSpec, EntrypointSpec, InitSpec, JobSpec
+from torchyard.scheduler.submitchecks import Problems, Submitter
 from torchyard.store.bundlefiles import archive_path
 from torchyard.store.bundles import bundle_names, get_bundle
 from torchyard.store.checkpoints import init_checkpoint, list_checkpoints
-from torchyard.store.jobs import get_job
+from torchyard.store.jobs import Viewer, get_job
 
-Problems = list[tuple[str, str]]
 # Names of the bundle's .py files shown when its entrypoint script is not among them.
 SHOWN_SCRIPTS = 10
-
-
-def check_code_permission(user: Principal, spec: JobSpec) -> None:
-    """403 for a spec that runs the user's own code (a bundle, a script, a `module:function`
-    factory) from a user not allowed to: that code runs with the worker's privileges."""
-    if spec.runs_code and not (user.is_admin or user.can_run_code):
-        raise ApiError(
-            403,
-            "this job runs its own code (a code bundle, an entrypoint script or a "
-            "module:function factory), and this user may not run their own code; an admin "
-            "grants it with `torchyard token create --user NAME --can-run-code`",
-            code="forbidden",
-        )
-
-
-def check_priority_permission(user: Principal, spec: JobSpec) -> None:
-    """403 for a job that may not be preempted and asks for a priority above 0 from a
-    non-admin: it could take workers from everyone and never give them back."""
-    if not spec.preemptible and spec.priority > 0 and not user.is_admin:
-        raise ApiError(
-            403,
-            f"only admins may give a job with preemptible: false a priority above 0 "
-            f"(got priority {spec.priority}); make it preemptible or use priority <= 0",
-            code="forbidden",
-            details=[{"field": "priority", "message": "above 0 needs preemptible: true"}],
-        )
 
 
 def needs_store(spec: JobSpec) -> bool:
@@ -57,25 +27,25 @@ def needs_store(spec: JobSpec) -> bool:
     return spec.code is not None or spec.init is not None
 
 
-def reference_problems(session: Session, storage: Path, user: Principal, spec: JobSpec) -> Problems:
+def reference_problems(session: Session, storage: Path, who: Submitter, spec: JobSpec) -> Problems:
     """Every problem with the spec's references, as (field, message) pairs."""
     problems: Problems = []
     if spec.code is not None:
-        problems += _bundle_problems(session, storage, user, spec.code, spec.entrypoint)
+        problems += _bundle_problems(session, storage, who, spec.code, spec.entrypoint)
     if spec.init is not None:
-        problems += _init_problems(session, user, spec.init)
+        problems += _init_problems(session, who, spec.init)
     return problems
 
 
 def _bundle_problems(
     session: Session,
     storage: Path,
-    user: Principal,
+    who: Submitter,
     code: CodeSpec,
     entrypoint: EntrypointSpec | None,
 ) -> Problems:
     bundle_id = code.bundle
-    if get_bundle(session, None if user.is_admin else user.id, bundle_id) is None:
+    if get_bundle(session, None if who.is_admin else who.id, bundle_id) is None:
         return [
             (
                 "code.bundle",
@@ -105,8 +75,8 @@ def _bundle_problems(
     ]
 
 
-def _init_problems(session: Session, user: Principal, init: InitSpec) -> Problems:
-    found = get_job(session, user.viewer, init.from_job)
+def _init_problems(session: Session, who: Submitter, init: InitSpec) -> Problems:
+    found = get_job(session, Viewer(who.id, who.is_admin), init.from_job)
     if found is None:
         return [("init.from_job", f"no job {init.from_job} of yours")]
     job = found[0]

@@ -1,0 +1,197 @@
+"""The rules a submit is checked against, whatever its entry point (scheduler/submit.py runs
+them): the spec itself and what only the server knows (the data set on disk, the world size,
+the model and data-set size limits), the permissions (running one's own code, a priority
+nobody can preempt) and the `max_queued` quota; and the warnings of a job that is stored
+all the same (a world size the pool cannot give now). The spec's references (a bundle and its
+script, an `init` job) are submitrefs.py's.
+
+Also the words they speak: who submits (`Submitter`) and a refusal (`SubmitRefused`), which
+the API maps to its status codes in one place (api/errors.py). Each rule is a function of this
+module, called through it, so that one patched rule is seen by every entry point.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+from sqlalchemy.orm import Session
+
+from torchyard.contracts import datasets
+from torchyard.contracts import spec as job_spec
+from torchyard.scheduler.policy import Kind, describe_kind, kind_of
+from torchyard.settings import Settings
+from torchyard.store.jobs import idempotency_key_used
+from torchyard.store.models import User
+from torchyard.store.queue import live_counts
+from torchyard.store.quotas import over_max_queued
+from torchyard.store.workers import stale_cutoff
+
+Problems = list[tuple[str, str]]
+# What a refusal is; the API answers 422, 403, 429 and 409 (api/errors.py: `refused`).
+Refusal = Literal["invalid", "forbidden", "quota_exceeded", "idempotency_conflict"]
+
+
+class Submitter(Protocol):
+    """Who submits: the API's authenticated principal, or a sweep's owner (submit.Owner)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def is_admin(self) -> bool: ...
+
+    @property
+    def can_run_code(self) -> bool: ...
+
+
+class SubmitRefused(Exception):
+    """A submit refused, with nothing stored. `problems`: the (field, message) pairs of an
+    invalid spec; `details`: what the API's error body carries."""
+
+    def __init__(
+        self, code: Refusal, message: str, *, problems: Problems | None = None, details: Any = None
+    ):
+        self.code, self.message = code, message
+        self.problems, self.details = problems or [], details
+        super().__init__(message)
+
+    @classmethod
+    def invalid(cls, problems: Problems) -> SubmitRefused:
+        """Every problem of a spec at once (the message lists them, one detail each)."""
+        listed = "; ".join(f"{f}: {m}" for f, m in problems)
+        details = [{"field": f, "message": m} for f, m in problems]
+        return cls("invalid", f"invalid spec: {listed}", problems=problems, details=details)
+
+
+# --- the spec and the server --------------------------------------------------------------------
+
+
+def spec_problems(obj: Any, settings: Settings) -> tuple[job_spec.JobSpec | None, Problems]:
+    """A decoded spec checked before anything touches the store: the spec itself and what
+    only the server knows, every problem at once. When the spec does not parse, the
+    server's checks still run on the fields that are readable (a world_size above
+    TORCHYARD_MAX_WORLD_SIZE is reported beside a batch_size it does not divide)."""
+    try:
+        spec = job_spec.parse_spec(obj)
+    except job_spec.SpecError as e:
+        named = {f for f, _ in e.problems}
+        extra = [(f, m) for f, m in raw_place_problems(obj, settings) if f not in named]
+        return None, e.problems + extra
+    problems = place_problems(settings, spec.data.name if spec.data else None, spec.world_size)
+    return spec, problems + limit_problems(spec, settings)
+
+
+def raw_place_problems(obj: Any, settings: Settings) -> Problems:
+    """The server's checks of a spec that did not parse, on the fields that have the right
+    type (an `entrypoint` job has no data set of torchyard's to look for)."""
+    if not isinstance(obj, dict):
+        return []
+    data = obj.get("data")
+    name = data.get("name") if isinstance(data, dict) and "entrypoint" not in obj else None
+    world = obj.get("world_size")
+    return place_problems(
+        settings,
+        name if isinstance(name, str) else None,
+        world if isinstance(world, int) and not isinstance(world, bool) else None,
+    )
+
+
+def place_problems(settings: Settings, data: str | None, world_size: int | None) -> Problems:
+    """The data set is on disk; the world size is allowed. (A script job has no `data`: its
+    script reads its own.)"""
+    problems = []
+    missing = [str(p) for p in datasets.missing_dataset_files(data, settings.data)] if data else []
+    if missing:
+        problems.append(
+            (
+                "data.name",
+                f"data set '{data}' is not on the server; looked for " + ", ".join(missing),
+            )
+        )
+    if world_size is not None and world_size > settings.max_world_size:
+        problems.append(
+            ("world_size", f"must be <= {settings.max_world_size} (TORCHYARD_MAX_WORLD_SIZE)")
+        )
+    return problems
+
+
+def limit_problems(spec: job_spec.JobSpec, settings: Settings) -> Problems:
+    """The model and the data set are within the size limits. Each field has its cap but
+    their product does not: refuse a model or data set too large for the server before it is
+    stored (nothing to clean up, no OOM on a worker)."""
+    return datasets.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
+
+
+# --- permissions --------------------------------------------------------------------------------
+
+
+def code_refusal(who: Submitter, spec: job_spec.JobSpec) -> SubmitRefused | None:
+    """A spec that runs the user's own code (a bundle, a script, a `module:function`
+    factory) from a user not allowed to: that code runs with the worker's privileges."""
+    if not spec.runs_code or who.is_admin or who.can_run_code:
+        return None
+    return SubmitRefused(
+        "forbidden",
+        "this job runs its own code (a code bundle, an entrypoint script or a "
+        "module:function factory), and this user may not run their own code; an admin "
+        "grants it with `torchyard token create --user NAME --can-run-code`",
+    )
+
+
+def priority_refusal(who: Submitter, spec: job_spec.JobSpec) -> SubmitRefused | None:
+    """A job that may not be preempted and asks for a priority above 0 from a non-admin: it
+    could take workers from everyone and never give them back."""
+    if spec.preemptible or spec.priority <= 0 or who.is_admin:
+        return None
+    return SubmitRefused(
+        "forbidden",
+        f"only admins may give a job with preemptible: false a priority above 0 "
+        f"(got priority {spec.priority}); make it preemptible or use priority <= 0",
+        details=[{"field": "priority", "message": "above 0 needs preemptible: true"}],
+    )
+
+
+# --- the quota ----------------------------------------------------------------------------------
+
+
+def queue_refusal(session: Session, user_id: int, key: str | None = None) -> SubmitRefused | None:
+    """The user's queued jobs already fill their quota, checked in the transaction that
+    would store the job (over_max_queued locks the user's row, so two submits cannot both
+    take the last place). A retry with a used Idempotency-Key stores nothing: not refused
+    (read after the lock, so a concurrent first try with that key is seen)."""
+    refused = over_max_queued(session, user_id)
+    if refused is None or (key is not None and idempotency_key_used(session, user_id, key)):
+        return None
+    owner = session.get(User, user_id)
+    limit = owner.max_queued if owner is not None else None
+    # No `message` in the detail: the message says it all, and clients print both.
+    return SubmitRefused(
+        "quota_exceeded", refused, details=[{"field": "max_queued", "limit": limit}]
+    )
+
+
+# --- warnings -----------------------------------------------------------------------------------
+
+
+def pool_warnings(session: Session, settings: Settings, world_size: int) -> Problems:
+    """A world size no group of live workers of one kind can give now: the job is queued all
+    the same (workers may register later) and its pending reason will say why it waits.
+    No worker at all for a one-worker job is a pool starting up or scaled to zero: no
+    warning."""
+    kinds: dict[Kind, int] = {}
+    for device, name, count in live_counts(
+        session, stale_cutoff(session, settings.heartbeat_timeout_s)
+    ):
+        k = kind_of(device, name)
+        kinds[k] = kinds.get(k, 0) + count
+    best = max(kinds.values(), default=0)
+    if world_size <= best or (not kinds and world_size == 1):
+        return []
+    registered = ", ".join(f"{c} {describe_kind(k)}" for k, c in sorted(kinds.items(), key=str))
+    if len(kinds) > 1:
+        have = f"the largest group of one kind registered now, {best} (a job never mixes CPU "
+        have += f"and GPU workers or GPU models; registered: {registered})"
+    else:
+        have = f"the {best} workers registered now ({registered or 'none'})"
+    message = f"{world_size} is more than {have}: the job waits in the queue until enough register"
+    return [("world_size", message)]
