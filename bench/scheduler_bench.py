@@ -350,7 +350,7 @@ def compare_bounded(url: str, repeats: int, unbounded: set[Any]) -> None:
 
 def dispatch_latency(url: str, home: Path, n: int) -> list[float]:
     """Submit (commit) -> the RUN message is in the worker's queue, one idle worker each."""
-    from torchyard.worker.scheduler import Scheduler
+    from torchyard.scheduler.process import Scheduler
 
     settings = Settings(
         home=home,

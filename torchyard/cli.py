@@ -11,8 +11,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("torchyard.up", "main", "start the API, the scheduler and N workers in one command"),
     "api": ("torchyard.api.cli", "main", "serve the REST API"),
     "scheduler": (
-        "torchyard.worker.cli",
-        "scheduler_main",
+        "torchyard.scheduler.cli",
+        "main",
         "run the scheduler (control queue consumer)",
     ),
     "worker": (

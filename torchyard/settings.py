@@ -6,11 +6,13 @@ embedded broker that needs no server, local storage and CPU workers.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DB_SCHEMES = ("sqlite", "postgresql", "postgresql+psycopg")
@@ -151,3 +153,24 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """The process's settings, validated once; tests call `get_settings.cache_clear()`."""
     return Settings()
+
+
+# The start-up steps every service command shares (api, scheduler, worker).
+
+
+def load_settings() -> Settings | None:
+    """The settings, or None after printing each bad TORCHYARD_* variable to stderr."""
+    try:
+        return get_settings()
+    except ValidationError as e:
+        for err in e.errors():
+            print(f"torchyard: bad setting: {err['msg']}", file=sys.stderr)
+        return None
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )

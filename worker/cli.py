@@ -1,31 +1,12 @@
-"""`torchyard scheduler` and `torchyard worker (--gpu N | --device cpu) [--name ID]`."""
+"""`torchyard worker (--gpu N | --device cpu) [--name ID]`: run one worker
+(worker/node.py). `torchyard scheduler` lives beside the scheduler (scheduler/cli.py)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from pydantic import ValidationError
-
-from torchyard.settings import Settings, get_settings
-
-
-def _settings() -> Settings | None:
-    try:
-        return get_settings()
-    except ValidationError as e:
-        for err in e.errors():
-            print(f"torchyard: bad setting: {err['msg']}", file=sys.stderr)
-        return None
-
-
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
+from torchyard.settings import load_settings, setup_logging
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -66,8 +47,8 @@ def worker_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.gpu is not None and args.gpu < 0:
         p.error("--gpu must be >= 0")
-    _logging(args.log_level)
-    settings = _settings()
+    setup_logging(args.log_level)
+    settings = load_settings()
     if settings is None:
         return 2
 
@@ -98,34 +79,3 @@ def worker_main(argv: list[str]) -> int:
         lock,
     )
     return node.run()
-
-
-def scheduler_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="torchyard scheduler",
-        description="Give queued jobs to idle workers (gang-scheduled), reap workers whose "
-        "heartbeat stopped, and re-send assignments whose message was lost. Several "
-        "schedulers may run at once.",
-    )
-    p.add_argument(
-        "--tick", type=float, default=2.0, metavar="SECONDS", help="periodic pass interval"
-    )
-    p.add_argument(
-        "--reserve-after",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        help="a job waiting this long reserves idle workers (no more backfill past it)",
-    )
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
-    if args.tick <= 0:
-        p.error("--tick must be > 0")
-    _logging(args.log_level)
-    settings = _settings()
-    if settings is None:
-        return 2
-
-    from torchyard.worker.scheduler import Scheduler
-
-    return Scheduler(settings, tick_s=args.tick, reserve_after_s=args.reserve_after).run()

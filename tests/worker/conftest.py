@@ -1,42 +1,10 @@
-"""Fixtures for the worker tests: fresh databases (SQLite files, or PostgreSQL databases
-of their own so other test modules' jobs never reach our scheduler) and factories with
-keyword defaults."""
+"""Fixtures for the worker tests: the shared database fixtures (worker_db.py, which the
+scheduler tests use too); factories with keyword defaults are in worker_factories.py."""
 
-from __future__ import annotations
+import worker_db as _db
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-from sqlalchemy.orm import Session
-from worker_factories import create_schema, drop_pg_databases, new_pg_database
-
-from torchyard.store.db import dispose_engines, session_factory
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path / 'ty.db'}"
-    create_schema(url)
-    yield url
-    dispose_engines()
-
-
-@pytest.fixture
-def pg_fresh_url(pg_url: str) -> Iterator[str]:
-    make = new_pg_database(pg_url)
-    yield make()
-    drop_pg_databases(make)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "sqlite":
-        return request.getfixturevalue("sqlite_url")
-    return request.getfixturevalue("pg_fresh_url")
-
-
-@pytest.fixture
-def session(db_url: str) -> Iterator[Session]:
-    with session_factory(db_url)() as s:
-        yield s
+# The shared database fixtures (re-exported so pytest finds them here).
+db_url = _db.db_url
+pg_fresh_url = _db.pg_fresh_url
+session = _db.session
+sqlite_url = _db.sqlite_url

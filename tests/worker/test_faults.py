@@ -1,6 +1,7 @@
 """Focused regression tests for the lifecycle under faults (issue "nothing lost, nothing
 stuck"): durable ingest, fencing, the end of an attempt under store errors, liveness on
-the database's clock, the reaper after an outage, outcomes, and the watchdog."""
+the database's clock, outcomes, and the watchdog. The reaper's patience after an outage
+is tested with the scheduler process (tests/scheduler/test_scheduler_process.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ from torchyard.worker import supervisor
 from torchyard.worker.events import EventRecorder
 from torchyard.worker.identity import Device
 from torchyard.worker.outcome import STOP_STORE_LOST, STOP_WORKER, Ending, decide
-from torchyard.worker.scheduler import Scheduler
 from torchyard.worker.supervisor import (
     Claimed,
     Prepared,
@@ -321,33 +321,6 @@ def test_liveness_uses_the_database_clock(
         assert reap_stale_workers(s, 20) == []
         w = s.get(Worker, "w1")
         assert w is not None and abs((w.last_heartbeat - utcnow()).total_seconds()) < 5
-
-
-def test_reaper_waits_a_full_timeout_after_the_store_returns(
-    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """No heartbeat can be written during an outage: the first reaper pass after it used to
-    declare busy workers lost. The reaper now acts only once the store has answered the
-    scheduler for a full heartbeat timeout."""
-    settings = _settings(sqlite_url, tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
-    _started(sqlite_url)
-    with session_scope(sqlite_url) as s:  # the outage: w1 could not heartbeat for a minute
-        s.execute(update(Worker).values(last_heartbeat=utcnow() - timedelta(seconds=60)))
-    sched = Scheduler(settings)
-    monkeypatch.setattr(sched, "_send", lambda *_: True)
-    sched.tick()  # the store answers again
-    with session_scope(sqlite_url) as s:
-        assert s.get(Worker, "w1").state == "busy"  # type: ignore[union-attr]
-    with session_scope(sqlite_url) as s:  # w1 heartbeats as soon as it can
-        heartbeat(s, "w1")
-    time.sleep(0.6)
-    sched.tick()
-    with session_scope(sqlite_url) as s:
-        assert s.get(Worker, "w1").state == "busy"  # type: ignore[union-attr]
-    time.sleep(0.6)  # now w1 really is silent for longer than the timeout
-    sched.tick()
-    with session_scope(sqlite_url) as s:
-        assert s.get(Worker, "w1").state == "lost"  # type: ignore[union-attr]
 
 
 def test_watchdog_refreshes_the_lease_only_while_it_can_vouch(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.scheduler.policy import cluster_reason, kind_of, plan, plural
+from torchyard.scheduler.process import Scheduler
 from torchyard.settings import Settings
 from torchyard.store.attempts import (
     A_FAILED,
@@ -39,7 +40,6 @@ from torchyard.store.workers import (
     release_orphaned_workers,
     release_worker,
 )
-from torchyard.worker.scheduler import Scheduler
 
 TIMEOUT = 10.0
 

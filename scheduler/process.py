@@ -1,7 +1,8 @@
-"""The scheduler process: a Celery consumer of the control queue (SCHEDULE_TASK wake-ups
-from the API and the workers) plus a periodic tick that runs the reaper, the reconciler
-and a scheduling pass, so that a lost wake-up or a lost assignment message only costs a
-tick. The store is the truth; the broker only wakes things up."""
+"""The scheduler process (`torchyard scheduler`, scheduler/cli.py): a Celery consumer of
+the control queue (SCHEDULE_TASK wake-ups from the API and the workers) plus a periodic
+tick that runs the reaper, the reconciler (lost messages re-sent, the claim deadline), the
+sweep controller and a scheduling pass, so that a lost wake-up or a lost assignment
+message only costs a tick. The store is the truth; the broker only wakes things up."""
 
 from __future__ import annotations
 
