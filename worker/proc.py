@@ -1,20 +1,16 @@
-"""Starting and stopping the trainer process: argv lists (never a shell), its environment
-(GPU pin, data root), its own process group, and a parent-death signal so it never
-outlives the worker; the go message a warm trainer (worker/standby.py) gets instead of an
-argv."""
+"""What the trainer is started with: argv lists (never a shell), its environment (GPU pin,
+data root, the scrubbed secrets), the go message a warm trainer (worker/standby.py) gets
+instead of an argv, and a free rendezvous port. Starting and signalling the process is a
+launcher's (worker/launcher.py, worker/launch_local.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchyard.contracts.parent import die_with_parent
 from torchyard.settings import Settings
 
 # Secrets the trainer has no use for stay in the worker.
@@ -135,41 +131,6 @@ def trainer_env(
         env["TORCHYARD_COLLECTIVE_TIMEOUT_S"] = f"{collective_timeout_s:g}"
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: SIGKILL when the worker's thread that
-    started it dies, and bail out if the worker is already gone."""
-    die_with_parent(signal.SIGKILL)  # off Linux: the process group kill still applies
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def spawn(
-    argv: list[str], *, env: dict[str, str], cwd: Path, log_fd: int, stdin: int = subprocess.DEVNULL
-) -> subprocess.Popen[bytes]:
-    """Start the trainer in its own session (so a signal reaches it and its children), its
-    stdout and stderr appended straight to the job log (no copying through the worker).
-    A fresh interpreter (fork+exec, nothing of the threaded worker carried over). Call from
-    the worker's main thread: the parent-death signal follows the calling thread."""
-    parent = os.getpid()
-    return subprocess.Popen(
-        argv,
-        env=env,
-        cwd=str(cwd),
-        stdin=stdin,
-        stdout=log_fd,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=lambda: _die_with_parent(parent),
-        close_fds=True,
-    )
-
-
-def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    """Signal the trainer's whole process group (torchrun and its ranks alike)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
 
 
 def free_port(host: str = "") -> int:

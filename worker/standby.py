@@ -1,14 +1,16 @@
-"""The worker's warm trainer: one `python -m torchyard.trainer --standby` per worker slot,
-started ahead of its job (pinned like a trainer, torch imported, nothing else initialised),
-so a one-rank job's first step does not wait for the interpreter and `import torch`.
+"""The worker's warm trainer, part of the `local` launcher (worker/launch_local.py): one
+`python -m torchyard.trainer --standby` per worker slot, started ahead of its job (pinned
+like a trainer, torch imported, nothing else initialised), so a one-rank job's first step
+does not wait for the interpreter and `import torch`.
 
-A job takes it (`hand_over`): the worker writes the go message (worker/proc.py go_message)
-and closes its stdin, and from then on it is that job's trainer process, exactly as a cold
-one. The worker starts the next one (`refill`) when that job's trainer has exited, not
-beside it, so the import never competes with a running job for its cores. A standby that
-died idle (OOM, killed), or was started under another environment, is discarded and the
-job starts cold. Every start is from the worker's main thread (the parent-death signal
-follows the thread that spawned), with a fresh interpreter: never a fork of the worker.
+A job takes it (`hand_over`, called by the local launcher): the go message
+(worker/proc.py go_message) is written and its stdin closed, and from then on it is that
+job's trainer process, exactly as a cold one. The worker starts the next one (`refill`)
+when that job's trainer has exited, not beside it, so the import never competes with a
+running job for its cores. A standby that died idle (OOM, killed), or was started under
+another environment, is discarded and the job starts cold. Every start is from the
+worker's main thread (the parent-death signal follows the thread that spawned), with a
+fresh interpreter: never a fork of the worker.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from torchyard.worker.proc import signal_group, spawn, standby_argv
+from torchyard.worker.launch_local import signal_group, spawn
+from torchyard.worker.proc import standby_argv
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,10 @@
 """Running one assignment (one rank of one attempt) on this worker: take the lease, ingest
-what earlier attempts left unrecorded, write the spec, meet the other ranks, start the
-trainer, follow its events into the store, act on cancel / stop / a lost attempt, and
-record how it ended. How an ending is classified is `worker/outcome.py`; what it does to
-the job is `store.lifecycle.finish_attempt`.
+what earlier attempts left unrecorded, write the spec, meet the other ranks, have the
+slot's launcher start the trainer, follow its events into the store, act on cancel / stop /
+a lost attempt, and record how it ended. Where and how the trainer runs is the launcher's
+(worker/launcher.py): this module talks only to its `TrainerHandle`. How an ending is
+classified is `worker/outcome.py`; what it does to the job is
+`store.lifecycle.finish_attempt`.
 
 Faults, and what this module does about them:
 - the store is unreachable: events stay buffered (never dropped) and their offset is
@@ -24,7 +26,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,13 @@ from torchyard.store.states import CANCELLING
 from torchyard.worker.events import EventRecorder, EventTail, last_rank_event
 from torchyard.worker.identity import Device, is_loopback
 from torchyard.worker.inputs import InputError, code_dir, init_file, init_source
+from torchyard.worker.launcher import (
+    DEFAULT_LAUNCHER,
+    Launcher,
+    LaunchRequest,
+    TrainerHandle,
+    make_launcher,
+)
 from torchyard.worker.outcome import (
     STOP_CANCEL,
     STOP_PREEMPT,
@@ -80,17 +88,8 @@ from torchyard.worker.outcome import (
     Ending,
     decide,
     describe_exit,
-    oom_kills,
 )
-from torchyard.worker.proc import (
-    Launch,
-    free_port,
-    go_message,
-    signal_group,
-    slot_env,
-    spawn,
-    trainer_argv,
-)
+from torchyard.worker.proc import Launch, free_port, slot_env, trainer_argv
 from torchyard.worker.standby import WarmTrainer
 
 log = logging.getLogger(__name__)
@@ -126,16 +125,26 @@ class WorkerContext:
     store_ok_at: float = field(default_factory=time.monotonic)
     # monotonic time the supervision loop last went round (None: not supervising)
     loop_beat: float | None = None
-    trainer: subprocess.Popen[bytes] | None = None
+    # the running trainer (its launcher's handle), which the watchdog may stop
+    trainer: TrainerHandle | None = None
     # set by the watchdog when it stopped the trainer because the store was out of reach
     store_lost_stop: threading.Event = field(default_factory=threading.Event)
     # added to the trainer's environment (the watchdog's lease)
     extra_env: dict[str, str] = field(default_factory=dict)
     # this slot's warm trainer, taken by a one-rank launch (None: every trainer starts cold)
     warm: WarmTrainer | None = None
+    # how this slot starts trainers; None: the default launcher, by name (worker/launcher.py)
+    launcher: Launcher | None = None
 
     def store_ok(self) -> None:
         self.store_ok_at = time.monotonic()
+
+    def trainer_launcher(self) -> Launcher:
+        """The launcher set on this context, else the default one over the slot's warm
+        trainer (made at each use, so it sees the warm trainer the worker has now)."""
+        if self.launcher is not None:
+            return self.launcher
+        return make_launcher(DEFAULT_LAUNCHER, self.settings, self.warm)
 
 
 def retry_until(
@@ -186,18 +195,19 @@ class Prepared(NamedTuple):
 
 
 class Supervision:
+    """One assignment on this worker: prepare, launch, supervise, record the end."""
+
     def __init__(self, ctx: WorkerContext, c: Claimed):
         self.ctx, self.c = ctx, c
         self.db = ctx.settings.db_url
         self.run_dir = job_dir(ctx.settings.storage, c.job_id)
         self.events_path = self.run_dir / EVENTS_FILE
         self.recorder = EventRecorder(c.job_id, c.attempt_id, c.attempt_number)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.trainer: TrainerHandle | None = None
         self.stop_why: str | None = None
         self.preempted_by: str | None = None  # the job this attempt was stopped for
         self.fenced = False  # the attempt was ended elsewhere: write nothing more
         self.resume_rel: str | None = None
-        self.oom_before: int | None = None
         # A rank other than 0 writes only its error/stopped events, to its own file, from
         # this offset on (what is before it is an earlier attempt's).
         self.rank_events = self.run_dir / rank_events_file(c.rank)
@@ -212,24 +222,13 @@ class Supervision:
     # ---- before the launch --------------------------------------------------------------
 
     def _write_spec(self) -> Path:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / SPEC_FILE
-        tmp = self.run_dir / f".{SPEC_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(self.c.spec, indent=2, sort_keys=True))
-        os.replace(tmp, path)
-        return path
+        return write_spec_file(self.run_dir, self.c.spec)
 
     def _ingest_backlog(self) -> int:
         """Rank 0: record what earlier attempts' trainers wrote after their supervisor's
         last commit (a worker killed, cut off, or out of store), then return where this
         attempt's own events begin. Those earlier lines are for the record only."""
-        with contextlib.suppress(FileNotFoundError), open(self.events_path, "rb+") as f:
-            # A line torn by a kill or a full disk would swallow the new trainer's first line.
-            size = f.seek(0, os.SEEK_END)
-            if size:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
+        end_torn_line(self.events_path)
         start = self._tx(lambda s: ingest_start(s, self.c.job_id))
         backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None)
         tail = EventTail(self.events_path, start)
@@ -271,8 +270,8 @@ class Supervision:
             if got.state not in ATTEMPT_ACTIVE:
                 raise Fenced(self.c.attempt_id, got.state)
             if got.endpoint:
-                host, _, port = got.endpoint.rpartition(":")
-                return Rendezvous((host, int(port)), got.resumed_from)
+                host, _, published = got.endpoint.rpartition(":")
+                return Rendezvous((host, int(published)), got.resumed_from)
             time.sleep(0.2)
         return None
 
@@ -280,11 +279,8 @@ class Supervision:
         """The checkpoint rank 0 picked (relative to the run dir), as this worker sees it."""
         if rel is None:
             return None
-        try:
-            path = resolve_inside(self.run_dir, rel)
-        except UnsafePath:
-            path = None
-        if path is None or not path.is_file():
+        path = readable_file_inside(self.run_dir, rel)
+        if path is None:
             raise StorageNotShared(
                 f"rank 0 resumes from {rel}, which worker {self.ctx.worker_id} cannot read "
                 f"under {self.run_dir}: every worker must see the same storage "
@@ -295,16 +291,45 @@ class Supervision:
     def _log_line(self, text: str) -> None:
         """A marker in the job log. Best effort: a full disk must not wedge the worker."""
         try:
-            fd = os.open(self.run_dir / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, text.encode())
-            finally:
-                os.close(fd)
+            append_to_log(self.run_dir / LOG_FILE, text)
         except OSError as e:
             log.warning("job %s: could not write to the job log (%s)", self.c.job_id, e)
 
     def launch(self, p: Prepared) -> None:
-        master, start = p.master, p.events_start
+        now = datetime.now(UTC).isoformat(timespec="seconds")
+        how = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
+        self._log_line(
+            f"===== torchyard: attempt {self.c.attempt_number}, rank {self.c.rank}/"
+            f"{self.c.world_size}, worker {self.ctx.worker_id}, {now}, {how} =====\n"
+        )
+        request = self._request(p)
+        self.tail = EventTail(self.events_path, p.events_start)
+        self.recorder.offset = p.events_start
+        if self.c.rank != 0:
+            self.rank_events_start = file_size(self.rank_events)
+        self.trainer = trainer = self.ctx.trainer_launcher().start(request)
+        self.ctx.trainer = trainer
+        if self.ctx.on_launch is not None:
+            self.ctx.on_launch(trainer.pid)
+        pid = trainer.pid
+        retry_until(
+            "recording the trainer pid",
+            lambda: self._tx(
+                lambda s: mark_launched(s, self.c.assignment_id, pid, resumed_from=self.resume_rel)
+            ),
+            give_up=lambda: trainer.poll() is not None,
+        )
+        log.info(
+            "job %s attempt %d rank %d: trainer pid %d",
+            self.c.job_id,
+            self.c.attempt_number,
+            self.c.rank,
+            pid,
+        )
+
+    def _request(self, p: Prepared) -> LaunchRequest:
+        """What the launcher starts: this rank's argv and environment on this slot."""
+        master = p.master
         launch = Launch(
             spec_path=p.spec_path,
             run_dir=self.run_dir,
@@ -316,59 +341,20 @@ class Supervision:
             code_dir=p.code_dir,
             init=p.init,
         )
-        now = datetime.now(UTC).isoformat(timespec="seconds")
-        how = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
-        self._log_line(
-            f"===== torchyard: attempt {self.c.attempt_number}, rank {self.c.rank}/"
-            f"{self.c.world_size}, worker {self.ctx.worker_id}, {now}, {how} =====\n"
-        )
         env = slot_env(
             self.ctx.settings,
             self.ctx.device.cuda_visible,
             self.ctx.extra_env,
             self.c.attempt_number,
         )
-        self.tail = EventTail(self.events_path, start)
-        self.recorder.offset = start
-        if self.c.rank != 0:
-            try:
-                self.rank_events_start = self.rank_events.stat().st_size
-            except FileNotFoundError:
-                self.rank_events_start = 0
-        self.oom_before = oom_kills()
-        self.proc = self._start(launch, env)
-        self.ctx.trainer = self.proc
-        if self.ctx.on_launch is not None:
-            self.ctx.on_launch(self.proc.pid)
-        pid = self.proc.pid
-        retry_until(
-            "recording the trainer pid",
-            lambda: self._tx(
-                lambda s: mark_launched(s, self.c.assignment_id, pid, resumed_from=self.resume_rel)
-            ),
-            give_up=lambda: self.proc is not None and self.proc.poll() is not None,
+        return LaunchRequest(
+            launch=launch,
+            argv=trainer_argv(launch),
+            env=env,
+            cwd=self.run_dir,
+            log_path=self.run_dir / LOG_FILE,
+            warm_ok=launch.world_size == 1,
         )
-        log.info(
-            "job %s attempt %d rank %d: trainer pid %d",
-            self.c.job_id,
-            self.c.attempt_number,
-            self.c.rank,
-            pid,
-        )
-
-    def _start(self, launch: Launch, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        """The slot's warm trainer for one rank when there is a live one, else a cold start."""
-        log_path = self.run_dir / LOG_FILE
-        # Opened here either way: a log that cannot be opened fails the launch, as always.
-        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            if self.ctx.warm is not None and launch.world_size == 1:
-                proc = self.ctx.warm.hand_over(go_message(launch, env, log_path))
-                if proc is not None:
-                    return proc
-            return spawn(trainer_argv(launch), env=env, cwd=self.run_dir, log_fd=fd)
-        finally:
-            os.close(fd)
 
     # ---- supervision --------------------------------------------------------------------
 
@@ -388,25 +374,23 @@ class Supervision:
         """Someone else ended this attempt (the reaper, another rank): the job may already
         run elsewhere, so this trainer must not write another byte."""
         self.fenced = True
-        if self.proc is not None and self.proc.poll() is None:
+        if self.trainer is not None and self.trainer.poll() is None:
             self._stop("attempt ended elsewhere", signal.SIGKILL, None)
 
     def _poll_store(self) -> AttemptStatus:
         return self._tx(lambda s: attempt_status(s, self.c.attempt_id))
 
     def _stop(self, why: str, sig: int, grace_s: float | None) -> float | None:
-        assert self.proc is not None
+        """SIGKILL to the trainer's whole group, or SIGTERM to its leader only (one, so that
+        it checkpoints: worker/launcher.py TrainerHandle.terminate); the kill time."""
+        assert self.trainer is not None
         log.info(
             "job %s: %s -> sending %s to the trainer", self.c.job_id, why, signal.Signals(sig).name
         )
         if sig == signal.SIGKILL:
-            signal_group(self.proc, sig)
+            self.trainer.kill()
         else:
-            # SIGTERM to the leader only (the trainer, or torchrun which forwards it once):
-            # a second SIGTERM would make the trainer die without its checkpoint, and loader
-            # workers must not die under it.
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
+            self.trainer.terminate()
         return None if grace_s is None else time.monotonic() + grace_s
 
     def _check_store(self) -> float | None:
@@ -430,14 +414,15 @@ class Supervision:
         return None
 
     def supervise(self) -> int:
-        assert self.proc is not None
+        trainer = self.trainer
+        assert trainer is not None
         rank0 = self.c.rank == 0
         kill_at: float | None = None
         last_poll = last_flush = time.monotonic()
         while True:
             now = time.monotonic()
             self.ctx.loop_beat = now
-            rc = self.proc.poll()
+            rc = trainer.poll()
             if rank0:
                 self.recorder.add_all(self.tail)
                 if self.recorder.pending and (
@@ -460,12 +445,12 @@ class Supervision:
                 log.warning(
                     "job %s: trainer still alive after the grace period; SIGKILL", self.c.job_id
                 )
-                signal_group(self.proc, signal.SIGKILL)
+                trainer.kill()
                 kill_at = None
             time.sleep(POLL_S)
         self.ctx.loop_beat = None
         # Whatever the trainer left in its group (torchrun ranks, loader workers) goes too.
-        signal_group(self.proc, signal.SIGKILL)
+        trainer.kill()
         if rank0:
             self.recorder.add_all(self.tail, final=True)
             self.tail.close()
@@ -491,7 +476,7 @@ class Supervision:
             return None
         if self.ctx.store_lost_stop.is_set() and self.stop_why is None:
             self.stop_why = STOP_STORE_LOST
-        after = oom_kills()
+        oom_killed = self.trainer is not None and self.trainer.oom_killed()
         error, stopped = o.error, o.stopped is not None
         if self.c.rank != 0:  # this rank's own report (rank 0's are in the recorder)
             mine = last_rank_event(self.rank_events, self.rank_events_start, self.c.attempt_number)
@@ -508,9 +493,7 @@ class Supervision:
             error=error,
             stopped=stopped,
             last_step=o.last_step,
-            oom_killed=self.oom_before is not None
-            and after is not None
-            and after > self.oom_before,
+            oom_killed=oom_killed,
             preempted_by=self.preempted_by,
         )
         decision = decide(ending)
@@ -604,16 +587,17 @@ class Supervision:
             return
         except Exception as e:
             log.exception("job %s: launch failed", self.c.job_id)
-            if self.proc is not None:
-                signal_group(self.proc, signal.SIGKILL)
-                self.proc.wait()
+            if self.trainer is not None:
+                self.trainer.kill()
+                self.trainer.wait()
             self.finish(None, self._launch_failed(e))
             return
         try:
             rc = self.supervise()
         except BaseException:
             # Never leave a trainer behind an exception in the worker.
-            signal_group(self.proc, signal.SIGKILL)
+            if self.trainer is not None:
+                self.trainer.kill()
             raise
         finally:
             self.ctx.trainer = None
@@ -622,6 +606,61 @@ class Supervision:
             f"trainer {describe_exit(rc)} =====\n"
         )
         self.finish(rc, self._ending(rc))
+
+
+# ---- the run's files ---------------------------------------------------------------------
+# Every direct read or write of the job's run directory in this module, one function each,
+# so that a storage interface can take them over in one place.
+
+
+def write_spec_file(run_dir: Path, spec: dict[str, Any]) -> Path:
+    """The job's spec, written atomically where the trainer reads it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / SPEC_FILE
+    tmp = run_dir / f".{SPEC_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(spec, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def end_torn_line(path: Path) -> None:
+    """A line torn by a kill or a full disk would swallow the new trainer's first line:
+    end it (a missing file is fine)."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+def readable_file_inside(run_dir: Path, rel: str) -> Path | None:
+    """`rel` under `run_dir` when it stays inside and is a file this host can read."""
+    try:
+        path = resolve_inside(run_dir, rel)
+    except UnsafePath:
+        return None
+    return path if path.is_file() else None
+
+
+def append_to_log(path: Path, text: str) -> None:
+    """Append to the job log (raises OSError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def file_size(path: Path) -> int:
+    """Its size now; 0 when it does not exist yet."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+# ---- errors and rules --------------------------------------------------------------------
 
 
 class BadEndpoint(RuntimeError):

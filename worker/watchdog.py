@@ -5,8 +5,9 @@ hung connection can stop it.
 The worker vouches while the store answered it recently and its supervision loop is going
 round. While it does, the watchdog refreshes the trainer's lease file (`trainer/lease.py`);
 when it stops vouching, the trainer checkpoints and stops on its own, and the watchdog
-also sends SIGTERM and then SIGKILL. A worker that is frozen (SIGSTOP) cannot refresh the
-lease either, so its trainer stops all the same.
+also sends SIGTERM and then SIGKILL (through the trainer's handle, worker/launcher.py: the
+leader, then the whole group). A worker that is frozen (SIGSTOP) cannot refresh the lease
+either, so its trainer stops all the same.
 
 Timing, as fractions of the heartbeat timeout T (the reaper gives a job away at the
 earliest T after the worker's last heartbeat on the database's clock, and heartbeats
@@ -24,13 +25,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from torchyard.worker.proc import signal_group
 from torchyard.worker.supervisor import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -74,13 +73,13 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 os.utime(self.lease_file)
             return
-        proc = self.ctx.trainer
-        if proc is None or proc.poll() is not None:
+        trainer = self.ctx.trainer  # the launcher's handle (worker/launcher.py)
+        if trainer is None or trainer.poll() is not None:
             return
         silent = now - min(self.ctx.store_ok_at, self.ctx.loop_beat or now)
         if silent >= KILL_AT * self.t:
             log.warning("watchdog: no store or supervision for %.1fs; SIGKILL trainer", silent)
-            signal_group(proc, signal.SIGKILL)
+            trainer.kill()
         elif silent >= TERM_AT * self.t and not self.ctx.store_lost_stop.is_set():
             log.warning(
                 "watchdog: no store or supervision for %.1fs; stopping the trainer before "
@@ -88,8 +87,7 @@ class Watchdog:
                 silent,
             )
             self.ctx.store_lost_stop.set()
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            trainer.terminate()
 
     def _loop(self) -> None:
         while not self._stop.wait(TICK_S):

@@ -27,7 +27,8 @@ from torchyard.store.db import session_scope
 from torchyard.store.models import Assignment, Attempt, Job
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
 from torchyard.worker.identity import Device
-from torchyard.worker.proc import Launch, go_message, signal_group, slot_env, spawn, standby_argv
+from torchyard.worker.launch_local import signal_group, spawn
+from torchyard.worker.proc import Launch, go_message, slot_env, standby_argv
 from torchyard.worker.standby import WarmTrainer
 from torchyard.worker.supervisor import WorkerContext, run_assignment
 
