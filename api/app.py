@@ -26,6 +26,7 @@ from torchyard.api.routers import (
     job_data,
     job_events,
     jobs,
+    meta,
     queue,
     sweeps,
     ui,
@@ -163,7 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The dashboard (ui: its page and logins, ui_jobs: its table) last: its page paths
     # never shadow an API route.
     routers = (jobs, job_data, job_events, checkpoints, bundles, workers, users, queue, health,
-               sweeps, ui_jobs, ui)  # fmt: skip
+               meta, sweeps, ui_jobs, ui)  # fmt: skip
     for module in routers:
         app.include_router(module.router)
     # Each add_middleware wraps the ones before it, so the last added runs first: requests

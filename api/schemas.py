@@ -1,4 +1,7 @@
-"""Response bodies of the API, kept apart from the tables: what clients may rely on."""
+"""Response bodies of the API, kept apart from the tables: what clients may rely on.
+
+`state` fields are typed with the contracts' enums, so the OpenAPI document lists their
+values; they serialise as the plain names (`use_enum_values`)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from torchyard.contracts.states import AttemptState, JobState, WorkerState
+
 
 class _Out(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
+    # use_enum_values: a validated state is its plain name, in model_dump as in JSON
+    model_config = ConfigDict(from_attributes=True, use_enum_values=True)
 
 
 class ErrorDetail(BaseModel):
@@ -37,7 +43,7 @@ class AttemptWorker(_Out):
 
 class AttemptOut(_Out):
     number: int
-    state: str
+    state: AttemptState
     workers: list[AttemptWorker]
     rank0_endpoint: str | None
     exit_code: int | None
@@ -57,9 +63,7 @@ class JobSummary(_Out):
 
     id: str
     name: str
-    state: str = Field(
-        description="queued, starting, running, succeeded, failed, cancelling, cancelled"
-    )
+    state: JobState = Field(description="its transitions: GET /v1/states")
     attempt: int
     spec: dict[str, Any] = Field(description="the normalised spec, every default written out")
     progress: Progress | None
@@ -160,7 +164,7 @@ class WorkerOut(_Out):
     device: str
     device_name: str | None
     memory_bytes: int | None
-    state: str = Field(description="idle, busy, lost, stopped")
+    state: WorkerState
     current_job_id: str | None
     last_heartbeat: datetime
     registered_at: datetime
@@ -169,6 +173,40 @@ class WorkerOut(_Out):
 class WorkerList(BaseModel):
     items: list[WorkerOut]
     next_cursor: str | None = None
+
+
+class JobStateLists(BaseModel):
+    model_config = ConfigDict(use_enum_values=True)
+
+    states: list[JobState] = Field(description="every job state, in the order of a job's life")
+    terminal: list[JobState] = Field(description="states a job never leaves")
+    active: list[JobState] = Field(description="states in which a job holds workers")
+    transitions: dict[JobState, list[JobState]] = Field(
+        description="each state → the states it may change to"
+    )
+
+
+class AttemptStateLists(BaseModel):
+    model_config = ConfigDict(use_enum_values=True)
+
+    states: list[AttemptState]
+    active: list[AttemptState] = Field(description="an attempt under way")
+    counted: list[AttemptState] = Field(description="ends counted against max_restarts")
+
+
+class WorkerStateLists(BaseModel):
+    model_config = ConfigDict(use_enum_values=True)
+
+    states: list[WorkerState]
+    live: list[WorkerState] = Field(description="registered and heartbeating")
+
+
+class StateLists(BaseModel):
+    """Every state name and list clients need (contracts/states.py: state_lists)."""
+
+    job: JobStateLists
+    attempt: AttemptStateLists
+    worker: WorkerStateLists
 
 
 class Health(BaseModel):

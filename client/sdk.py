@@ -44,8 +44,10 @@ from torchyard.client.errors import (
     error_for,
 )
 from torchyard.client.specfile import load_spec_file
+from torchyard.contracts.states import JOB_TERMINAL
 
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+# Plain strings, as the JSON bodies carry them (the list itself is the contracts').
+TERMINAL_STATES = frozenset(s.value for s in JOB_TERMINAL)
 _CHUNK = 1 << 20
 # The server sends a keep-alive comment every 15 s: a stream silent for longer is dead.
 _SSE_READ_TIMEOUT_S = 60.0
@@ -310,7 +312,7 @@ class Client:
         """{name: {"steps": [...], "values": [...] (, "min", "max")}}; several names are
         fetched one request each and merged. Raw points (no `max_points`) come from the
         server in pages: every page is fetched and joined."""
-        names = [name] if isinstance(name, str) else list(name or [None])
+        names: list[str | None] = [name] if isinstance(name, str) else [*name] if name else [None]
         series: dict[str, dict[str, list]] = {}
         job_id = self._jid(job_id)
         for n in names:

@@ -1,14 +1,19 @@
 """The states of a job, an attempt and a worker, as enums with their transition tables: the
 one list every part reads (the store checks every job change against `JOB_TRANSITIONS`, the
 API types its responses with the enums, the SDK and the dashboard take their lists from
-here). Adding a state means this file, the store's transition code and the docs.
+here). Adding a state means this file, the store's transition code and the docs; the
+dashboard's copy, `web/src/states.gen.js`, is regenerated from this file:
+`python -m torchyard.contracts.states --js web/src/states.gen.js`.
 
 Members are `StrEnum`s: they compare equal to, and serialise as, their plain names
 (`JobState.QUEUED == "queued"`), so database columns, JSON and old clients see strings."""
 
 from __future__ import annotations
 
+import json
+import sys
 from enum import StrEnum
+from typing import Any
 
 
 class JobState(StrEnum):
@@ -93,6 +98,8 @@ class WorkerState(StrEnum):
     """Deregistered, or stopping: no new work."""
 
 
+# Re-registering (any state → idle) and deregistering (any state → stopped) also write the
+# state a worker is already in: a same-state write is not a transition.
 WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.IDLE: frozenset({WorkerState.BUSY, WorkerState.LOST, WorkerState.STOPPED}),
     WorkerState.BUSY: frozenset({WorkerState.IDLE, WorkerState.LOST, WorkerState.STOPPED}),
@@ -111,7 +118,7 @@ def can_transition(from_state: str, to_state: str) -> bool:
         return False
 
 
-def state_lists() -> dict[str, object]:
+def state_lists() -> dict[str, dict[str, Any]]:
     """Every state list, as plain JSON: what the API serves at `GET /v1/states` for clients
     that must not hard-code them (the dashboard, the SDK)."""
     return {
@@ -128,3 +135,48 @@ def state_lists() -> dict[str, object]:
         },
         "worker": {"states": [s.value for s in WorkerState], "live": sorted(WORKER_LIVE)},
     }
+
+
+def js_module() -> str:
+    """`state_lists()` as an ES module for the dashboard (`web/src/states.gen.js`): per kind
+    (JOB, ATTEMPT, WORKER) its members by name, `<KIND>_STATES` in order, and each other
+    list as a Set (`JOB_TERMINAL`, …); the job table as `JOB_TRANSITIONS`."""
+    enums = {"job": JobState, "attempt": AttemptState, "worker": WorkerState}
+    lines = [
+        "// Generated from contracts/states.py: do not edit. Regenerate with",
+        "// python -m torchyard.contracts.states --js web/src/states.gen.js",
+        "",
+    ]
+    for kind, lists in state_lists().items():
+        k = kind.upper()
+        names = {s.name: s.value for s in enums[kind]}
+        lines.append(f"export const {k} = Object.freeze({json.dumps(names)});")
+        for key, value in lists.items():
+            if key == "states":
+                lines.append(f"export const {k}_STATES = Object.freeze({json.dumps(value)});")
+            elif key == "transitions":
+                lines.append(f"export const {k}_TRANSITIONS = Object.freeze({json.dumps(value)});")
+            else:
+                lines.append(f"export const {k}_{key.upper()} = new Set({json.dumps(value)});")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    """`--js [PATH]`: the dashboard's module to PATH (else stdout); `--json`: `state_lists()`."""
+    if argv[:1] == ["--json"] and len(argv) == 1:
+        sys.stdout.write(json.dumps(state_lists(), indent=2) + "\n")
+    elif argv[:1] == ["--js"] and len(argv) <= 2:
+        text = js_module()
+        if len(argv) == 2:
+            with open(argv[1], "w", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            sys.stdout.write(text)
+    else:
+        sys.stderr.write("usage: python -m torchyard.contracts.states --js [PATH] | --json\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

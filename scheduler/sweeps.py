@@ -1,5 +1,5 @@
 """The sweep controller: one pass over the sweeps that have work, run by the scheduler process
-every tick before its scheduling pass (worker/scheduler.py: `Scheduler.sweep_pass`), so that
+every tick before its scheduling pass (scheduler/process.py: `Scheduler.sweep_pass`), so that
 the trials it queues are placed in the same tick.
 
 Each sweep is an Optuna study named by the sweep's id (storage: store/sweeps.py

@@ -2,6 +2,8 @@
 # Builds the dashboard (web/) into api/static/, which the API serves at / and a wheel
 # includes: installs web/'s npm packages exactly as package-lock.json pins them (again only
 # when the lock file changed), then bundles with esbuild (web/build.mjs). Needs Node 18+.
+# No Python: the state lists (web/src/states.gen.js) are generated from contracts/states.py
+# and committed; tests/web/test_states_gen.py fails, naming the command, when they are stale.
 set -euo pipefail
 cd "$(dirname "$0")/../web"
 if ! command -v npm >/dev/null 2>&1; then

@@ -29,10 +29,9 @@ from torchyard.store.models import (
     User,
     Worker,
 )
-from torchyard.store.states import CANCELLING, RUNNING, STARTING
+from torchyard.store.states import ACTIVE
 
 TABLE_METRICS = ("train/loss", "val/accuracy")
-ACTIVE = (STARTING, RUNNING, CANCELLING)
 # Event ids missing from what was read (on PostgreSQL a transaction can commit after one
 # that took a later id) are looked for again for this long.
 GAP_WAIT_S = 10.0

@@ -1,5 +1,6 @@
 // DOM building without HTML strings: every value from the server becomes a text node or
 // an attribute, never markup, so a job name like <img onerror=…> shows as text.
+import { JOB } from "./states.gen.js";
 
 export function h(tag, props, ...children) {
   const el = document.createElement(tag);
@@ -75,11 +76,11 @@ export function stateBadge(state) {
 }
 
 export function progressCell(p, state) {
-  if (!p || p.step == null) return h("span", { class: "muted" }, state === "queued" ? "waiting" : "–");
+  if (!p || p.step == null) return h("span", { class: "muted" }, state === JOB.QUEUED ? "waiting" : "–");
   const frac = p.total_steps ? Math.min(1, p.step / p.total_steps) : null;
   const bar = h("div", { class: "bar" }, h("div", { class: "fill" }));
   if (frac != null) bar.firstChild.style.width = `${(frac * 100).toFixed(1)}%`;
-  const eta = p.eta_s != null && state === "running" ? ` · ETA ${fmtDuration(p.eta_s)}` : "";
+  const eta = p.eta_s != null && state === JOB.RUNNING ? ` · ETA ${fmtDuration(p.eta_s)}` : "";
   const text = p.total_steps ? `${p.step}/${p.total_steps}${eta}` : `step ${p.step}${eta}`;
   return h("div", { class: "progress" }, bar, h("span", { class: "small" }, text));
 }

@@ -5,8 +5,8 @@
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color } from "../chart.js";
 import { fmtNum, h, link, replace, stateBadge, throttle } from "../dom.js";
+import { JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 
-const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const MAX_IDS = 100; // a changes event names at most this many jobs (api/ui_feed.py)
 
 function flatten(obj, prefix = "", out = {}) {

@@ -4,15 +4,15 @@
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, metricGroups } from "../chart.js";
 import { fmtBytes, fmtDuration, fmtTime, h, link, progressCell, replace, stateBadge, throttle } from "../dom.js";
+import { ATTEMPT, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 
-const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const LOG_TAIL = 256 * 1024;
 const LOG_END = "4611686018427387904"; // 2**62, the largest offset: the answer is the size
 const LOG_KEEP = 1024 * 1024; // characters kept on screen
 
 function cause(a) {
-  if (a.state === "lost") return "lost worker" + (a.reason ? `: ${a.reason}` : "");
-  if (a.state === "handed_back") return /preempt/i.test(a.reason || "") ? `preempted: ${a.reason}` : `handed back${a.reason ? `: ${a.reason}` : ""}`;
+  if (a.state === ATTEMPT.LOST) return "lost worker" + (a.reason ? `: ${a.reason}` : "");
+  if (a.state === ATTEMPT.HANDED_BACK) return /preempt/i.test(a.reason || "") ? `preempted: ${a.reason}` : `handed back${a.reason ? `: ${a.reason}` : ""}`;
   return a.reason || "";
 }
 
@@ -47,7 +47,7 @@ export async function jobPage(root, { params }) {
 
   function renderHead() {
     const live = !TERMINAL.has(job.state);
-    const cancel = live && job.state !== "cancelling"
+    const cancel = live && job.state !== JOB.CANCELLING
       ? h("button", { class: "danger", id: "cancel", onclick: confirmCancel }, "Cancel…") : null;
     replace(parts.head,
       h("div", {}, h("h1", { id: "job-name" }, job.name), h("div", { class: "muted mono small" }, job.id)),

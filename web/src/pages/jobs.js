@@ -2,9 +2,9 @@
 // do), filtered by state and text, reloaded whenever the jobs stream says a job changed.
 import { api, query, serverNow, stream } from "../api.js";
 import { fmtAge, fmtNum, h, link, progressCell, replace, stateBadge, throttle } from "../dom.js";
+import { JOB_STATES as STATES } from "../states.gen.js";
 
 const PAGE = 100;
-const STATES = ["queued", "starting", "running", "cancelling", "succeeded", "failed", "cancelled"];
 
 export function jobsPage(root, { search, session, navigate }) {
   const view = {
