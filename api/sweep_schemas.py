@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from torchyard.contracts.states import JobState
 from torchyard.scheduler.space import MAX_PARAMS, Param
 
 SAMPLERS = ("random", "tpe", "grid")
@@ -59,10 +60,12 @@ def input_problems(e: ValidationError) -> list[tuple[str, str]]:
 
 
 class TrialOut(BaseModel):
+    model_config = ConfigDict(use_enum_values=True)  # the state as its plain name
+
     number: int = Field(description="Optuna's trial number")
     job_id: str | None = Field(description="null: its values made an invalid spec (see error)")
     params: dict[str, Any] = Field(description="dotted spec path -> the value tried")
-    state: str = Field(description="its job's state (failed when it has no job)")
+    state: JobState = Field(description="its job's state (failed when it has no job)")
     status: str = Field(description="running until decided, then complete, pruned or failed")
     value: float | None = Field(description="the objective's newest value (final once complete)")
     step: int | None = Field(description="the step of that value")

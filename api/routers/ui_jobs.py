@@ -10,13 +10,14 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
 from torchyard.api.deps import CurrentUser, ReadSessionDep
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.schemas import Progress
 from torchyard.api.ui_feed import JobChanges
+from torchyard.contracts.states import JobState
 from torchyard.store.jobs import get_job
 from torchyard.store.states import STATES
 from torchyard.store.uijobs import feed_head, state_counts, table_page
@@ -28,10 +29,12 @@ MAX_OFFSET = 1_000_000
 
 
 class TableRow(BaseModel):
+    model_config = ConfigDict(use_enum_values=True)  # the state as its plain name
+
     id: str
     name: str
     owner: str
-    state: str
+    state: JobState
     progress: Progress | None
     world_size: int
     attempt: int
