@@ -5,7 +5,7 @@ when there is a live one. Also the process primitives the standby starts and sto
 process with.
 
 OOM evidence is the kernel's host-wide count of OOM kills (`/proc/vmstat`), read at the
-start and again when asked (worker/outcome.py: oom_kills)."""
+start and again when asked (`oom_kills`)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,26 @@ from pathlib import Path
 from torchyard.contracts.parent import die_with_parent
 from torchyard.settings import Settings
 from torchyard.worker.launcher import LaunchRequest, Standby
-from torchyard.worker.outcome import oom_kills
 from torchyard.worker.proc import go_message
 
 NAME = "local"
+
+
+VMSTAT = Path("/proc/vmstat")
+
+
+def oom_kills(vmstat: Path = VMSTAT) -> int | None:
+    """The kernel's count of OOM kills (Linux 4.13+), or None where it cannot be read.
+    A trainer that died of SIGKILL while this count rose was the OOM killer's victim (the
+    count is host-wide: another process's OOM kill at the same moment would be taken for
+    the trainer's, which only costs that job its retry)."""
+    try:
+        for line in vmstat.read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _die_with_parent(parent_pid: int) -> None:

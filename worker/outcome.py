@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from torchyard.contracts import exitcodes
@@ -145,20 +144,3 @@ def _trainer_ended(e: Ending, step: str) -> Decision:
         return Decision(A_LOST, f"rank {e.rank} trainer {describe_exit(e.rc)}{step}", None, True)
     msg = f"rank {e.rank} trainer {describe_exit(e.rc)}{step}; see the job log"
     return Decision(A_FAILED, msg, msg, True)
-
-
-VMSTAT = Path("/proc/vmstat")
-
-
-def oom_kills(vmstat: Path = VMSTAT) -> int | None:
-    """The kernel's count of OOM kills (Linux 4.13+), or None where it cannot be read.
-    A trainer that died of SIGKILL while this count rose was the OOM killer's victim (the
-    count is host-wide: another process's OOM kill at the same moment would be taken for
-    the trainer's, which only costs that job its retry)."""
-    try:
-        for line in vmstat.read_text().splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None

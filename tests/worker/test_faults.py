@@ -32,6 +32,7 @@ from torchyard.store.workers import heartbeat, reap_stale_workers
 from torchyard.worker import supervisor
 from torchyard.worker.events import EventRecorder
 from torchyard.worker.identity import Device
+from torchyard.worker.launch_local import LocalTrainer
 from torchyard.worker.outcome import STOP_STORE_LOST, STOP_WORKER, Ending, decide
 from torchyard.worker.supervisor import (
     Claimed,
@@ -331,7 +332,7 @@ def test_watchdog_refreshes_the_lease_only_while_it_can_vouch(tmp_path: Path) ->
         proc = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
         )
-        ctx.trainer = proc
+        ctx.trainer = LocalTrainer(proc, tmp_path / "output.log", None)
         now = time.monotonic()
         ctx.store_ok_at = now
         os.utime(dog.lease_file, (0, 0))
