@@ -1,20 +1,33 @@
-"""Serving a checkpoint file with Starlette's FileResponse (which reads Range and If-Range
-itself): Content-Length, a strong ETag (the file's sha256), one byte range (206) for
-resumable downloads, 416 past the end, If-None-Match (304). A Range with several ranges,
-or one that does not parse, is ignored and the whole file is sent with 200, as RFC 9110
-allows (and as this API has always documented)."""
+"""Serving a stored file for download: Content-Length, a strong ETag (the file's sha256),
+one byte range (206) for resumable downloads, 416 past the end, If-Range, If-None-Match
+(304). A Range with several ranges, or one that does not parse, is ignored and the whole
+file is sent with 200, as RFC 9110 allows (and as this API has always documented).
+
+An object with a local file (the local backend: `Storage.local_path`) is served by
+Starlette's FileResponse, which reads Range and If-Range itself and sends with sendfile
+where the server can; any other is streamed from the storage in blocks (`stored_response`),
+with the same headers and answers."""
 
 from __future__ import annotations
 
 import os
 import re
 import stat
+from collections.abc import Iterator
+from email.utils import formatdate
 from pathlib import Path
+from typing import BinaryIO
 
 from fastapi import Response
-from starlette.responses import FileResponse, MalformedRangeHeader, RangeNotSatisfiable
+from starlette.responses import (
+    FileResponse,
+    MalformedRangeHeader,
+    RangeNotSatisfiable,
+    StreamingResponse,
+)
 
 from torchyard.api.errors import ApiError
+from torchyard.storage import ObjectInfo, Storage
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -60,4 +73,68 @@ def file_response(path: Path, *, etag: str, filename: str, if_none_match: str | 
         media_type="application/octet-stream",
         filename=_SAFE_NAME.sub("_", filename),
         stat_result=st,
+    )
+
+
+def _blocks(f: BinaryIO, length: int) -> Iterator[bytes]:
+    """`length` bytes of the open stream `f`, in `_Download.chunk_size` blocks (read in a
+    worker thread by StreamingResponse), then closed; a shorter object ends the body early."""
+    with f:
+        while length > 0:
+            block = f.read(min(_Download.chunk_size, length))
+            if not block:
+                return
+            length -= len(block)
+            yield block
+
+
+def _wanted_range(
+    info: ObjectInfo, headers: dict[str, str], range_: str | None, if_range: str | None
+) -> tuple[int, int] | None:
+    """The one byte range to send (start, end exclusive), None for the whole object: as
+    FileResponse decides (If-Range names the ETag or the Last-Modified date, never weak)."""
+    if range_ is None:
+        return None
+    if if_range is not None and (
+        if_range.startswith("W/") or if_range not in (headers["ETag"], headers["Last-Modified"])
+    ):
+        return None
+    ranges = _Download._parse_range_header(range_, info.size)
+    return ranges[0] if ranges else None
+
+
+def stored_response(
+    storage: Storage,
+    key: str,
+    *,
+    etag: str,
+    filename: str,
+    if_none_match: str | None,
+    range_: str | None,
+    if_range: str | None,
+) -> Response:
+    """The object `key` streamed from `storage` (FileNotFoundError if it is gone), for a
+    backend without local files: the answers of `file_response`."""
+    if if_none_match and _etag_matches(if_none_match, etag):
+        return Response(status_code=304, headers={"ETag": etag})
+    info = storage.stat(key)
+    headers = {
+        "ETag": etag,
+        "Accept-Ranges": "bytes",
+        "Content-Disposition": f'attachment; filename="{_SAFE_NAME.sub("_", filename)}"',
+        "Last-Modified": formatdate(info.mtime, usegmt=True),
+    }
+    wanted = _wanted_range(info, headers, range_, if_range)
+    start, end, status = 0, info.size, 200
+    if wanted is not None:
+        (start, end), status = wanted, 206
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{info.size}"
+    headers["Content-Length"] = str(end - start)
+    # Opened before the response starts: an object gone by now is still a clean 404.
+    body = storage.open_read(key, start, end - start)
+    return StreamingResponse(
+        _blocks(body, end - start),
+        status_code=status,
+        headers=headers,
+        media_type="application/octet-stream",
     )

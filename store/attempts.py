@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
+from torchyard.storage import Storage
+from torchyard.storage.keys import job_key
 from torchyard.store.dialect import is_postgres
 from torchyard.store.jobs import bump_version_of_attempt, bump_version_sql
 from torchyard.store.lifecycle import Fenced, counted_failures, fence, finish_attempt
@@ -320,11 +322,9 @@ def hand_back_unclaimed(session: Session, worker_id: str, reason: str) -> list[s
     return jobs
 
 
-def latest_resume_checkpoint(
-    session: Session, job_id: str, run_dir: Path
-) -> tuple[str, Path] | None:
-    """The newest recorded resume checkpoint of a job whose file is still there (keep_last
-    deletes old ones), as (path relative to the run dir, resolved path inside it)."""
+def _resume_candidates(session: Session, job_id: str) -> list[str]:
+    """A job's recorded resume checkpoints (not deleted), newest first, as paths relative
+    to its run directory."""
     rows = session.execute(
         select(Checkpoint.path)
         .where(
@@ -334,7 +334,27 @@ def latest_resume_checkpoint(
         )
         .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
     ).all()
-    for (rel,) in rows:
+    return [rel for (rel,) in rows]
+
+
+def resume_pick(session: Session, job_id: str, storage: Storage) -> str | None:
+    """The newest recorded resume checkpoint of a job whose file is still in storage
+    (keep_last deletes old ones), relative to the run directory; None: a fresh start."""
+    for rel in _resume_candidates(session, job_id):
+        try:
+            if storage.exists(job_key(job_id, rel)):
+                return rel
+        except UnsafePath:
+            continue
+    return None
+
+
+def latest_resume_checkpoint(
+    session: Session, job_id: str, run_dir: Path
+) -> tuple[str, Path] | None:
+    """`resume_pick` for a local run directory, as (path relative to it, resolved path
+    inside it): what worker/supervisor.py calls until it goes through `resume_pick`."""
+    for rel in _resume_candidates(session, job_id):
         try:
             path = resolve_inside(run_dir, rel)
         except UnsafePath:

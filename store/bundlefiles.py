@@ -1,5 +1,7 @@
-"""Code bundles on disk: a user's gzip-compressed tar of their code, checked when it is
-uploaded (the API) and unpacked once per bundle and host into a cache (the worker).
+"""Code bundles: a user's gzip-compressed tar of their code, checked when it is uploaded
+(the API) and unpacked once per bundle and host into a cache (the worker). The archive is
+the stored object `bundles/<id>.tar.gz` (`archive_key`); it is read and written through the
+storage seam, and checked and unpacked here as a local file.
 
 Nothing here trusts the archive. `check_archive` streams through it within the limits (a gzip
 bomb stops at the first member over them) and refuses every name or member type that could
@@ -14,32 +16,37 @@ import gzip
 import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
 import tarfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.machinery import all_suffixes
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
+
+from torchyard.storage import Storage
+from torchyard.storage.keys import bundle_key, is_bundle_id
 
 __all__ = [
     "MARKER",
     "BundleRejected",
     "Manifest",
+    "archive_key",
     "archive_path",
     "check_archive",
+    "is_bundle_id",
+    "names_key",
     "sha256_file",
     "unpack_cached",
+    "unpack_stored",
 ]
 
 MARKER = ".torchyard-bundle.json"  # written last into an unpacked tree: "this one is complete"
 _MARKER_VERSION = 1
 OLD_TREES_KEEP_S = 86_400.0  # a replaced tree outlives any job still running from it
-_BUNDLE_ID = re.compile(r"^[0-9a-f]{64}$")
 # What the decompressed stream may hold beyond the members' data: tarfile reads pax and
 # GNU long-name records whole into memory, so member sizes alone do not bound it.
 _HEADER_ALLOWANCE = 8192  # per member: header, pax records, padding to 512
@@ -79,10 +86,21 @@ class Manifest:
     names: list[str]  # the regular files' posix paths relative to the bundle, sorted
 
 
+def archive_key(bundle_id: str) -> str:
+    """`bundles/<id>.tar.gz`, the archive's storage key; the id is its sha256 (lowercase
+    hex; anything else: ValueError)."""
+    return bundle_key(bundle_id, ".tar.gz")
+
+
+def names_key(bundle_id: str) -> str:
+    """`bundles/<id>.files.json`: the key of the list of the archive's file names."""
+    return bundle_key(bundle_id, ".files.json")
+
+
 def archive_path(storage: Path, bundle_id: str) -> Path:
-    """`<storage>/bundles/<id>.tar.gz`; the id is the archive's sha256 (lowercase hex)."""
-    _check_id(bundle_id)
-    return storage / "bundles" / f"{bundle_id}.tar.gz"
+    """`<storage>/bundles/<id>.tar.gz`: the archive's file under a local storage root (for
+    callers that still take the root; the rest use `archive_key`)."""
+    return storage / archive_key(bundle_id)
 
 
 def sha256_file(path: Path) -> str:
@@ -90,14 +108,8 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def is_bundle_id(value: object) -> bool:
-    """A sha256 in lowercase hex: what a bundle id is."""
-    return isinstance(value, str) and _BUNDLE_ID.fullmatch(value) is not None
-
-
 def _check_id(bundle_id: str) -> None:
-    if not is_bundle_id(bundle_id):
-        raise ValueError(f"not a bundle id (64 lowercase hex digits): {bundle_id!r}")
+    bundle_key(bundle_id)  # ValueError (UnsafePath) for anything but a sha256
 
 
 def _reject(name: str, why: str) -> BundleRejected:
@@ -111,7 +123,7 @@ class _CappedReader:
     """The decompressed stream, refused past `cap` bytes; decompression errors become
     BundleRejected here, so that OSError from elsewhere (a full disk) stays what it is."""
 
-    def __init__(self, raw: IO[bytes], cap: int) -> None:
+    def __init__(self, raw: gzip.GzipFile, cap: int) -> None:
         self._raw = raw
         self._left = cap
         self._cap = cap
@@ -142,7 +154,8 @@ def _open_stream(
     with path.open("rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
         reader = _CappedReader(gz, cap)
         try:
-            with tarfile.open(fileobj=reader, mode="r|") as tar:
+            # A stream read front to back ("r|"): tarfile calls only `read` on it.
+            with tarfile.open(fileobj=cast(IO[bytes], reader), mode="r|") as tar:
                 yield tar, reader
         except tarfile.TarError as e:
             raise BundleRejected(f"not a valid gzip-compressed tar: {e}") from e
@@ -408,6 +421,35 @@ def unpack_cached(
 ) -> Path:
     """`cache_root/<bundle_id>`, holding the bundle unpacked: reused while its marker and
     content check hold, else checked and unpacked afresh and swapped in atomically."""
+    return _unpack(lambda: archive, bundle_id, cache_root, max_files=max_files, max_bytes=max_bytes)
+
+
+def unpack_stored(
+    storage: Storage, bundle_id: str, cache_root: Path, *, max_files: int, max_bytes: int
+) -> Path:
+    """`unpack_cached` of the stored archive, which is read (fetched to this host, where
+    the backend is not local) only when the cached tree must be unpacked afresh.
+    FileNotFoundError when it is not in storage."""
+    key = archive_key(bundle_id)
+    return _unpack(
+        lambda: storage.local_copy(key),
+        bundle_id,
+        cache_root,
+        max_files=max_files,
+        max_bytes=max_bytes,
+    )
+
+
+def _unpack(
+    archive_of: Callable[[], Path],
+    bundle_id: str,
+    cache_root: Path,
+    *,
+    max_files: int,
+    max_bytes: int,
+) -> Path:
+    """The cached tree, checked; `archive_of()` (the archive as a local file) is called
+    only when it has to be unpacked afresh."""
     _check_id(bundle_id)
     cache_root.mkdir(parents=True, exist_ok=True)
     final = cache_root / bundle_id
@@ -415,6 +457,7 @@ def unpack_cached(
         if _cache_intact(final, bundle_id):
             return final
         _sweep(cache_root, bundle_id)
+        archive = archive_of()
         if sha256_file(archive) != bundle_id:
             raise BundleRejected("archive content does not match its id")
         check_archive(archive, max_files=max_files, max_bytes=max_bytes)

@@ -1,4 +1,5 @@
-"""Checkpoint rows: recorded by the worker when the trainer announces a complete file."""
+"""Checkpoint rows: recorded by the worker when the trainer announces a complete file; and
+where a recorded checkpoint's file is in storage (its key, checked)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from torchyard.storage import Storage
+from torchyard.storage.keys import UnsafePath, job_key
 from torchyard.store.models import Checkpoint
-from torchyard.store.paths import UnsafePath, job_dir, resolve_inside
 
 
 def record_checkpoint(
@@ -73,13 +75,34 @@ def latest_checkpoint(session: Session, job_id: str, kind: str = "resume") -> Ch
     )
 
 
-def checkpoint_file(storage_root: Path, row: Checkpoint) -> Path:
-    """The file of a checkpoint, checked to lie inside its job's directory (symlinks
-    resolved). Raises UnsafePath when it would leave it, FileNotFoundError when gone."""
-    target = resolve_inside(job_dir(storage_root, row.job_id), row.path)
-    if not target.is_file():
+def checkpoint_key(row: Checkpoint) -> str:
+    """The storage key of a checkpoint's file; UnsafePath when its recorded path would
+    leave its job's folder."""
+    return job_key(row.job_id, row.path)
+
+
+def checkpoint_file(storage: Storage, row: Checkpoint) -> Path | None:
+    """Check that a checkpoint's file is there: UnsafePath when it would leave its job's
+    folder (symlinks resolved), FileNotFoundError when it is gone. Returns its own local
+    file where the backend has one (what a FileResponse serves), else None (read it
+    through `storage` by `checkpoint_key`)."""
+    key = checkpoint_key(row)
+    path = storage.local_path(key)
+    if path is None:
+        storage.stat(key)
+        return None
+    if not path.is_file():
         raise FileNotFoundError(row.path)
-    return target
+    return path
+
+
+def checkpoint_available(storage: Storage, row: Checkpoint) -> bool:
+    """Whether the checkpoint's file can be served (there, and inside its job's folder)."""
+    try:
+        checkpoint_file(storage, row)
+    except (UnsafePath, OSError):
+        return False
+    return True
 
 
 def mark_deleted(session: Session, job_id: str, paths: list[str]) -> int:

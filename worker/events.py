@@ -10,7 +10,9 @@ attempt than the recorder's (a previous trainer's last lines) are recorded (metr
 checkpoints) but never change the job's state.
 
 Every line is parsed by the trainer's event model (contracts/eventmodel.py); a line that is
-not a valid event is logged and skipped."""
+not a valid event is logged and skipped. Stored files are read through the storage seam
+(`EventTail.open`, `last_rank_event_at`, `end_torn_line_at`); a local `Path` (the run
+directory's own file, which this host's trainer writes) is read as a file."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from torchyard.contracts.eventmodel import (
     parse_event,
     parse_event_line,
 )
+from torchyard.storage import Storage, Tail
+from torchyard.storage.local import FileTail
 from torchyard.store.attempts import fence_flush
 from torchyard.store.checkpoints import mark_deleted, record_checkpoint
 from torchyard.store.lifecycle import mark_started
@@ -59,16 +63,7 @@ def _parse(line: bytes) -> Event | None:
         return None
 
 
-def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | None:
-    """The last `error` or `stopped` event of `attempt` that a rank other than 0 wrote to
-    its own file (contracts/eventfiles.py) past byte `start`, as written; None if there is
-    none."""
-    try:
-        with path.open("rb") as f:
-            f.seek(start)
-            data = f.read(1 << 20)  # a rank writes a line or two per attempt
-    except OSError:
-        return None
+def _last_rank_event(data: bytes, attempt: int) -> dict[str, Any] | None:
     found = None
     for line in data.splitlines():
         try:
@@ -80,14 +75,59 @@ def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | No
     return None if found is None else event_dict(found)
 
 
+RANK_EVENTS_READ = 1 << 20  # a rank writes a line or two per attempt
+
+
+def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | None:
+    """The last `error` or `stopped` event of `attempt` that a rank other than 0 wrote to
+    its own file (contracts/eventfiles.py) past byte `start`, as written; None if there is
+    none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            data = f.read(RANK_EVENTS_READ)
+    except OSError:
+        return None
+    return _last_rank_event(data, attempt)
+
+
+def last_rank_event_at(
+    storage: Storage, key: str, start: int, attempt: int
+) -> dict[str, Any] | None:
+    """`last_rank_event` of the stored file `key`."""
+    try:
+        data, _ = storage.read_range(key, start, RANK_EVENTS_READ)
+    except OSError:
+        return None
+    return _last_rank_event(data, attempt)
+
+
+def end_torn_line_at(storage: Storage, key: str) -> None:
+    """End a last line that a kill or a full disk left without its newline, so the next
+    trainer's first line is not glued onto it (nothing to do for a missing object or one
+    that ends in a newline)."""
+    try:
+        size = storage.stat(key).size
+        if size and storage.read_range(key, size - 1, 1)[0] != b"\n":
+            storage.append(key, b"\n")
+    except FileNotFoundError:
+        return
+
+
 class EventTail:
     """New complete JSON lines of an append-only file, from a byte offset on. A line still
-    being written stays buffered until its newline arrives."""
+    being written stays buffered until its newline arrives. `source`: a local file, or a
+    storage tail opened at `offset` (`EventTail.open`)."""
 
-    def __init__(self, path: Path, offset: int = 0):
-        self.path, self.offset = path, offset
-        self._f: Any = None
+    def __init__(self, source: Path | Tail, offset: int = 0):
+        self.offset = offset
+        self._tail: Tail = FileTail(source, offset) if isinstance(source, Path) else source
         self._partial = b""
+
+    @classmethod
+    def open(cls, storage: Storage, key: str, offset: int = 0) -> EventTail:
+        """The stored events file `key`, from byte `offset`."""
+        return cls(storage.open_tail(key, offset), offset)
 
     @property
     def consumed(self) -> int:
@@ -102,19 +142,7 @@ class EventTail:
             return 0
 
     def _chunks(self) -> bytes:
-        if self._f is None:
-            try:
-                self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 (kept open)
-            except FileNotFoundError:
-                return b""
-            self._f.seek(self.offset)
-        out = []
-        while True:
-            b = self._f.read(1 << 20)
-            if not b:
-                break
-            out.append(b)
-        data = b"".join(out)
+        data = self._tail.read()
         self.offset += len(data)
         return data
 
@@ -127,9 +155,7 @@ class EventTail:
         return [ev for ev in parsed if ev is not None]
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        self._tail.close()
 
 
 def _num(v: Any) -> float | None:

@@ -1,6 +1,8 @@
 """What a job brings besides its spec, made ready on this host before its trainer starts:
 its code bundle (unpacked once per bundle and host, content-checked: store/bundlefiles.py)
-and the file of weights its `init` names (checked against its recorded sha256).
+and the file of weights its `init` names (checked against its recorded sha256). Both are
+read from storage through the seam (torchyard.storage): their own files on a local
+backend, a copy fetched to this host otherwise.
 
 A problem here is the job's, and running it again would meet it again: `InputError`
 fails the attempt without a retry. A full disk is not the job's (an OSError: handed back).
@@ -14,10 +16,11 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from torchyard.settings import Settings
-from torchyard.store.bundlefiles import BundleRejected, archive_path, sha256_file, unpack_cached
-from torchyard.store.checkpoints import checkpoint_file, init_checkpoint
+from torchyard.storage import storage_for
+from torchyard.storage.keys import UnsafePath
+from torchyard.store.bundlefiles import BundleRejected, archive_key, sha256_file, unpack_stored
+from torchyard.store.checkpoints import checkpoint_key, init_checkpoint
 from torchyard.store.models import Checkpoint
-from torchyard.store.paths import UnsafePath
 
 
 class InputError(Exception):
@@ -34,12 +37,14 @@ def code_dir(settings: Settings, spec: dict[str, Any]) -> Path | None:
     bundle = (spec.get("code") or {}).get("bundle")
     if not bundle:
         return None
-    archive = archive_path(settings.storage, bundle)
-    if not archive.is_file():
-        raise InputError(f"code bundle {bundle}: its archive {archive} is missing from storage")
+    storage = storage_for(settings)
+    key = archive_key(bundle)
+    if not storage.exists(key):
+        where = storage.describe(key)
+        raise InputError(f"code bundle {bundle}: its archive {where} is missing from storage")
     try:
-        return unpack_cached(
-            archive,
+        return unpack_stored(
+            storage,
             bundle,
             bundle_cache(settings),
             max_files=settings.max_bundle_files,
@@ -63,10 +68,10 @@ def init_source(session: Session, spec: dict[str, Any]) -> Checkpoint | None:
 
 
 def init_file(settings: Settings, row: Checkpoint) -> Path:
-    """The file of an init checkpoint, its recorded sha256 checked (a read of the whole
-    file: never inside a store transaction)."""
+    """A local file of an init checkpoint (what the trainer gets as `--init`), its
+    recorded sha256 checked (a read of the whole file: never inside a store transaction)."""
     try:
-        path = checkpoint_file(settings.storage, row)
+        path = storage_for(settings).local_copy(checkpoint_key(row))
     except (FileNotFoundError, UnsafePath):
         raise InputError(
             f"init: the file of job {row.job_id}'s checkpoint {row.path} is gone"

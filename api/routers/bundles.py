@@ -1,9 +1,10 @@
 """Code bundles: upload (a gzip-compressed tar of a user's code) and look one up.
 
-An upload is streamed to a temporary file under `<storage>/bundles/tmp/`, hashed as it
-arrives, checked (store/bundlefiles.py: check_archive refuses anything hostile) and only
-then renamed to `<storage>/bundles/<sha256>.tar.gz`. Nothing is written anywhere else, and
-nothing of a refused or interrupted upload is left behind.
+An upload is streamed to a temporary file in the storage's staging folder for bundles
+(`<storage>/bundles/tmp/` on local storage), hashed as it arrives, checked
+(store/bundlefiles.py: check_archive refuses anything hostile) and only then stored as
+`bundles/<sha256>.tar.gz` (on local storage, a rename). Nothing is written anywhere else,
+and nothing of a refused or interrupted upload is left behind.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
 from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.schemas import BundleOut
 from torchyard.settings import Settings
-from torchyard.store.bundlefiles import BundleRejected, Manifest, archive_path, check_archive
+from torchyard.storage import Storage, storage_for
+from torchyard.storage.keys import BUNDLES
+from torchyard.store.bundlefiles import BundleRejected, Manifest, archive_key, check_archive
 from torchyard.store.bundles import get_bundle, record_bundle, write_bundle_names
 
 router = APIRouter(prefix="/v1/bundles", tags=["bundles"])
@@ -66,9 +69,8 @@ def _check_headers(request: Request, limit: int) -> None:
         raise _too_large(limit)
 
 
-def _open_temp(storage: Path) -> tuple[IO[bytes], Path]:
-    tmp_dir = storage / "bundles" / "tmp"
-    tmp_dir.mkdir(parents=True, exist_ok=True)
+def _open_temp(storage: Storage) -> tuple[IO[bytes], Path]:
+    tmp_dir = storage.staging_dir(BUNDLES)
     fd, name = tempfile.mkstemp(dir=tmp_dir, prefix="upload-", suffix=".tar.gz")
     return os.fdopen(fd, "wb"), Path(name)
 
@@ -105,30 +107,15 @@ def _check(path: Path, settings: Settings) -> Manifest:
         ) from None
 
 
-def _keep(tmp: Path, storage: Path, bundle_id: str, names: list[str]) -> None:
-    """Move the checked upload to its place (durably), and write its names beside it. An
-    archive already there has this very content (its name is its sha256): the upload is
-    dropped instead."""
-    final = archive_path(storage, bundle_id)
-    if not final.is_file():
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+def _keep(tmp: Path, settings: Settings, bundle_id: str, names: list[str]) -> None:
+    """Store the checked upload (durably: a crash cannot leave the row without its file),
+    and write its names beside it. An archive already there has this very content (its
+    name is its sha256): the upload is dropped instead."""
+    storage, key = storage_for(settings), archive_key(bundle_id)
+    if not storage.exists(key):
+        storage.write_file(key, tmp, move=True)
     # Written again on every upload: a names file lost on the server is restored by one.
-    write_bundle_names(storage, bundle_id, names)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (a crash cannot leave the row without its file)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_bundle_names(settings.storage, bundle_id, names)
 
 
 def _record(
@@ -168,14 +155,14 @@ async def upload_bundle(
     request: Request, response: Response, user: CurrentUser, settings: SettingsDep
 ) -> BundleOut:
     _check_headers(request, settings.max_bundle_bytes)
-    out, tmp = await run_in_threadpool(_open_temp, settings.storage)
+    out, tmp = await run_in_threadpool(_open_temp, storage_for(settings))
     try:
         try:
             size, bundle_id = await _receive(request, out, settings.max_bundle_bytes)
         finally:
             await run_in_threadpool(out.close)
         manifest = await run_in_threadpool(_check, tmp, settings)
-        await run_in_threadpool(_keep, tmp, settings.storage, bundle_id, manifest.names)
+        await run_in_threadpool(_keep, tmp, settings, bundle_id, manifest.names)
     finally:
         # Gone already when it was kept; a refused, duplicate or broken upload ends here.
         await run_in_threadpool(tmp.unlink, missing_ok=True)

@@ -1,4 +1,5 @@
-"""A job's checkpoints: the list, and resumable downloads."""
+"""A job's checkpoints: the list, and resumable downloads (read through the storage seam:
+the file itself where storage is local, else streamed from it)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ from fastapi import APIRouter, Header, Query, Response
 
 from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
 from torchyard.api.errors import ApiError, not_found, responses
-from torchyard.api.files import file_response
+from torchyard.api.files import file_response, stored_response
 from torchyard.api.schemas import CheckpointList, CheckpointOut
+from torchyard.storage import UnsafePath, storage_for
 from torchyard.store.checkpoints import (
+    checkpoint_available,
     checkpoint_file,
+    checkpoint_key,
     get_checkpoint,
     latest_checkpoint,
     list_checkpoints,
 )
 from torchyard.store.jobs import get_job
-from torchyard.store.paths import UnsafePath
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])
@@ -38,13 +41,10 @@ def list_checkpoints_route(
 ) -> CheckpointList:
     if get_job(session, user.viewer, job_id) is None:
         raise not_found()
+    storage = storage_for(settings)
     items = []
     for row in list_checkpoints(session, job_id):
-        try:
-            checkpoint_file(settings.storage, row)
-            available = True
-        except (UnsafePath, OSError):
-            available = False
+        available = checkpoint_available(storage, row)
         items.append(
             CheckpointOut(
                 id=row.id,
@@ -89,8 +89,8 @@ def download_checkpoint(
     session: ReadSessionDep,
     settings: SettingsDep,
     kind: Annotated[Literal["resume", "weights"], Query()] = "resume",
-    # Range and If-Range are read by the FileResponse itself; declared for the schema and
-    # their length limits.
+    # Range and If-Range: read by the FileResponse itself for a local file, by
+    # stored_response otherwise; declared for the schema and their length limits.
     range_: Annotated[str | None, Header(alias="Range", max_length=200)] = None,
     if_range: Annotated[str | None, Header(alias="If-Range", max_length=200)] = None,
     if_none_match: Annotated[str | None, Header(alias="If-None-Match", max_length=1000)] = None,
@@ -105,8 +105,9 @@ def download_checkpoint(
         row = None
     if row is None:
         raise not_found("checkpoint")
+    storage = storage_for(settings)
     try:
-        path = checkpoint_file(settings.storage, row)
+        path = checkpoint_file(storage, row)
     except UnsafePath as e:
         log.warning("refused to serve checkpoint %s of job %s: %s", row.id, job_id, e)
         raise ApiError(
@@ -115,12 +116,18 @@ def download_checkpoint(
     except OSError:
         raise _gone() from None
     name = f"{job_id}-{PurePosixPath(row.path).name}"
+    etag = f'"{row.sha256}"'
     try:
-        return file_response(
-            path,
-            etag=f'"{row.sha256}"',
+        if path is not None:  # a local file: FileResponse (sendfile, its own Range)
+            return file_response(path, etag=etag, filename=name, if_none_match=if_none_match)
+        return stored_response(
+            storage,
+            checkpoint_key(row),
+            etag=etag,
             filename=name,
             if_none_match=if_none_match,
+            range_=range_,
+            if_range=if_range,
         )
     except (FileNotFoundError, NotADirectoryError):
         # keep_last pruned it between the check above and the open: the same answer.

@@ -1,8 +1,8 @@
-"""What a job feeds while it runs: loss curves and its log (live events: job_events)."""
+"""What a job feeds while it runs: loss curves and its log (read from storage by byte
+range; live events: job_events)."""
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
@@ -11,9 +11,10 @@ from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.schemas import LogChunk, MetricsOut, Series
 from torchyard.api.views import etag, etag_matches
+from torchyard.storage import job_key, storage_for
 from torchyard.store.jobs import get_job, job_version
 from torchyard.store.metrics import query_page, query_series
-from torchyard.store.paths import LOG_FILE, job_dir, resolve_inside
+from torchyard.store.paths import LOG_FILE
 from torchyard.store.states import TERMINAL
 
 router = APIRouter(prefix="/v1/jobs", tags=["job data"])
@@ -37,8 +38,10 @@ MAX_POINTS_LIMIT = 10_000
         "Answers with an `ETag` (for these parameters); with `If-None-Match` naming it, "
         "curves unchanged since are 304 with no body."
     ),
-    responses={304: {"description": "not modified since If-None-Match"}}
-    | responses(401, 404, 422, 503),
+    responses={
+        304: {"description": "not modified since If-None-Match"},
+        **responses(401, 404, 422, 503),
+    },
 )
 def get_metrics(
     job_id: str,
@@ -120,16 +123,11 @@ def get_logs(
         raise not_found()
     job = found[0]
     terminal = job.state in TERMINAL
-    path = resolve_inside(job_dir(settings.storage, job.id), LOG_FILE)
     try:
-        f = open(path, "rb")  # noqa: SIM115
+        chunk, size = storage_for(settings).read_range(job_key(job.id, LOG_FILE), offset, limit)
     except (FileNotFoundError, NotADirectoryError):
         return LogChunk(data="", offset=0, next_offset=0, size=0, complete=terminal)
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        start = min(offset, size)
-        f.seek(start)
-        chunk = f.read(limit)
+    start = min(offset, size)
     if start + len(chunk) < size:
         chunk = chunk[: _utf8_cut(chunk)]
     end = start + len(chunk)
