@@ -344,22 +344,8 @@ class Up:
             ("worker", WORKER_STOP_GRACE_S),
             ("api", OTHERS_STOP_GRACE_S),
         ):
-            group = by_role[role]
-            for c in group:
-                _kill(c, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for c in group:
-                if c.proc is None:
-                    continue
-                try:
-                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    if role == "scheduler":  # still stopping; the workers must not wait
-                        continue
-                    say(f"{c.name} did not stop in {grace:.0f}s; killing it")
-                    _kill(c, signal.SIGKILL)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        c.proc.wait(timeout=5)
+            # A scheduler still stopping is not killed yet: the workers must not wait.
+            _stop_group(by_role[role], grace, kill_late=role != "scheduler")
         for c in by_role["scheduler"]:
             if c.proc is not None and c.proc.poll() is None:
                 try:
@@ -431,6 +417,26 @@ def _kill(c: Child, sig: int) -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         c.proc.send_signal(sig)
+
+
+def _stop_group(group: list[Child], grace: float, *, kill_late: bool) -> None:
+    """SIGTERM every child of `group`, wait up to `grace` seconds for them together, then
+    (with `kill_late`) SIGKILL those still running."""
+    for c in group:
+        _kill(c, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in group:
+        if c.proc is None:
+            continue
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            if not kill_late:
+                continue
+            say(f"{c.name} did not stop in {grace:.0f}s; killing it")
+            _kill(c, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(timeout=5)
 
 
 def _port_free(host: str, port: int) -> bool:
