@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from torchyard.api import errors
 from torchyard.api.deps import TokenCache
-from torchyard.api.fanout import FeedHub
+from torchyard.api.fanout import FeedHub, stored_log_size
 from torchyard.api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
 from torchyard.api.routers import (
     bundles,
@@ -36,10 +37,10 @@ from torchyard.api.routers import (
 )
 from torchyard.contracts.spec import JobSpec
 from torchyard.settings import Settings, get_settings
+from torchyard.storage import storage_for
 from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.db import make_engine
 from torchyard.store.inventory import job_counts, worker_counts
-from torchyard.store.paths import LOG_FILE, job_dir
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # the read sessions).
     app.state.feed_hub = FeedHub(
         lambda: app.state.read_sessions,
-        log_file=lambda job_id: job_dir(settings.storage, job_id) / LOG_FILE,
+        log_size=functools.partial(stored_log_size, storage_for(settings)),
     )
     registry = CollectorRegistry()
     registry.register(_StoreCollector(app))

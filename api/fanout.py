@@ -10,7 +10,7 @@ the last one leaves. Each uvicorn worker process has its own hub.
 
 Besides the items, each tick reads what has no row id to resume from: a queued job's
 pending reason (with its state, in the same statement) and the size of its log file (one
-stat). When either changes, every follower gets one `status` event without an `id:` (a
+`stat` of the storage: `stored_log_size`). When either changes, every follower gets one `status` event without an `id:` (a
 reconnect resumes after the last real item and gets the current status again), so a page
 can follow the log and the pending reason without polling.
 """
@@ -21,18 +21,18 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
+from torchyard.storage import Storage, UnsafePath, job_key
 from torchyard.store.feed import FeedCursor, FeedItem, FeedPage, poll
+from torchyard.store.paths import LOG_FILE
 
 log = logging.getLogger(__name__)
 
@@ -85,20 +85,25 @@ def read_page(factory: sessionmaker[Session], job_id: str, cursor: FeedCursor) -
         return poll(session, job_id, cursor)
 
 
-def _file_size(path: Path | None) -> int:
+def stored_log_size(storage: Storage, job_id: str) -> int:
+    """The size of the job's log in `storage` (one `stat`); 0 when it is not written yet
+    (a queued job), is refused, or the storage is briefly unreachable."""
     try:
-        return os.stat(path).st_size if path is not None else 0
-    except OSError:  # not written yet (a queued job), or storage briefly unreachable
+        return storage.stat(job_key(job_id, LOG_FILE)).size
+    except (OSError, UnsafePath):
         return 0
 
 
 def read_tick(
-    factory: sessionmaker[Session], job_id: str, cursor: FeedCursor, log_file: Path | None
+    factory: sessionmaker[Session],
+    job_id: str,
+    cursor: FeedCursor,
+    log_size: Callable[[str], int] | None,
 ) -> tuple[FeedPage, int]:
     """The poller's read: the next page, then the log's size (after the page, so a log
-    line written before a metric the page holds is counted)."""
+    line written before a metric the page holds is counted; 0 without `log_size`)."""
     page = read_page(factory, job_id, cursor)
-    return page, _file_size(log_file)
+    return page, log_size(job_id) if log_size is not None else 0
 
 
 def status_frame(pending_reason: str | None, log_size: int) -> bytes:
@@ -165,11 +170,11 @@ class FeedHub:
         self,
         factory: Callable[[], sessionmaker[Session]],
         ring_items: int = RING_ITEMS,
-        log_file: Callable[[str], Path] | None = None,
+        log_size: Callable[[str], int] | None = None,
     ):
         self._factory = factory  # read lazily: tests swap the app's sessions
         self.ring_items = ring_items
-        self._log_file = log_file  # a job's log path (None: no status events)
+        self._log_size = log_size  # a job's log size now (None: no status events)
         self.feeds: dict[str, JobFeed] = {}
         self.polls = 0  # store polls by pollers (one per tick per followed job)
         self.catch_ups = 0  # store polls by followers outside the ring
@@ -212,7 +217,6 @@ class FeedHub:
         self.feeds.clear()
 
     async def _poll(self, feed: JobFeed) -> tuple[FeedPage, int]:
-        log_file = self._log_file(feed.job_id) if self._log_file is not None else None
         async for attempt in AsyncRetrying(
             stop=stop_after_attempt(POLL_ATTEMPTS),
             wait=wait_exponential(multiplier=0.25, max=4),
@@ -221,7 +225,7 @@ class FeedHub:
             with attempt:
                 self.polls += 1
                 return await run_in_threadpool(
-                    read_tick, self._factory(), feed.job_id, feed.head, log_file
+                    read_tick, self._factory(), feed.job_id, feed.head, self._log_size
                 )
         raise AssertionError("unreachable")  # reraise=True: the last error is raised
 
@@ -229,7 +233,7 @@ class FeedHub:
         try:
             while not feed.ended:
                 page, log_size = await self._poll(feed)
-                if self._log_file is not None:
+                if self._log_size is not None:
                     feed.set_status(page.pending_reason, log_size)
                 feed.publish(page)
                 if not page.more and not feed.ended:

@@ -25,6 +25,7 @@ from torchyard.scheduler import submitchecks as rules
 from torchyard.scheduler import submitrefs as refs
 from torchyard.scheduler.submitchecks import Problems, SubmitRefused, Submitter
 from torchyard.settings import Settings
+from torchyard.storage import storage_for
 from torchyard.store.jobs import IdempotencyConflict, create_job
 from torchyard.store.models import Job, User
 
@@ -112,7 +113,7 @@ class Admission:
         key = json.dumps([p.model_dump(mode="json") if p else None for p in parts])
         if key not in self._refs:
             self._refs[key] = refs.reference_problems(
-                self.session, self.settings.storage, self.who, spec
+                self.session, storage_for(self.settings), self.who, spec
             )
         return self._refs[key]
 

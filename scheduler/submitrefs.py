@@ -7,13 +7,12 @@ job of theirs (admins: any), so that ids of other users' things lead nowhere.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from sqlalchemy.orm import Session
 
 from torchyard.contracts.spec import CodeSpec, EntrypointSpec, InitSpec, JobSpec
 from torchyard.scheduler.submitchecks import Problems, Submitter
-from torchyard.store.bundlefiles import archive_path
+from torchyard.storage import Storage
+from torchyard.store.bundlefiles import archive_key
 from torchyard.store.bundles import bundle_names, get_bundle
 from torchyard.store.checkpoints import init_checkpoint, list_checkpoints
 from torchyard.store.jobs import Viewer, get_job
@@ -27,7 +26,9 @@ def needs_store(spec: JobSpec) -> bool:
     return spec.code is not None or spec.init is not None
 
 
-def reference_problems(session: Session, storage: Path, who: Submitter, spec: JobSpec) -> Problems:
+def reference_problems(
+    session: Session, storage: Storage, who: Submitter, spec: JobSpec
+) -> Problems:
     """Every problem with the spec's references, as (field, message) pairs."""
     problems: Problems = []
     if spec.code is not None:
@@ -39,7 +40,7 @@ def reference_problems(session: Session, storage: Path, who: Submitter, spec: Jo
 
 def _bundle_problems(
     session: Session,
-    storage: Path,
+    storage: Storage,
     who: Submitter,
     code: CodeSpec,
     entrypoint: EntrypointSpec | None,
@@ -54,7 +55,7 @@ def _bundle_problems(
             )
         ]
     names = bundle_names(storage, bundle_id)
-    if names is None or not archive_path(storage, bundle_id).is_file():
+    if names is None or not storage.exists(archive_key(bundle_id)):
         return [
             (
                 "code.bundle",

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from torchyard.storage import Storage
-from torchyard.storage.keys import job_key
+from torchyard.storage.keys import UnsafePath, job_key
 from torchyard.store.dialect import is_postgres
 from torchyard.store.jobs import bump_version_of_attempt, bump_version_sql
 from torchyard.store.lifecycle import Fenced, counted_failures, fence, finish_attempt
 from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, Worker, utcnow
-from torchyard.store.paths import UnsafePath, resolve_inside
 from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
@@ -346,21 +344,6 @@ def resume_pick(session: Session, job_id: str, storage: Storage) -> str | None:
                 return rel
         except UnsafePath:
             continue
-    return None
-
-
-def latest_resume_checkpoint(
-    session: Session, job_id: str, run_dir: Path
-) -> tuple[str, Path] | None:
-    """`resume_pick` for a local run directory, as (path relative to it, resolved path
-    inside it): what worker/supervisor.py calls until it goes through `resume_pick`."""
-    for rel in _resume_candidates(session, job_id):
-        try:
-            path = resolve_inside(run_dir, rel)
-        except UnsafePath:
-            continue
-        if path.is_file():
-            return rel, path
     return None
 
 

@@ -483,7 +483,11 @@ class EpochSampler(DistributedSampler):
         # A sampler reads only len() of its data set: a range stands in for it.
         super().__init__(
             range(n),  # type: ignore[arg-type]
-            num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+            num_replicas=world,
+            rank=rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
         )
         self.skip = 0
 

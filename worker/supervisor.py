@@ -2,9 +2,11 @@
 what earlier attempts left unrecorded, write the spec, meet the other ranks, have the
 slot's launcher start the trainer, follow its events into the store, act on cancel / stop /
 a lost attempt, and record how it ended. Where and how the trainer runs is the launcher's
-(worker/launcher.py): this module talks only to its `TrainerHandle`. How an ending is
-classified is `worker/outcome.py`; what it does to the job is
-`store.lifecycle.finish_attempt`.
+(worker/launcher.py): this module talks only to its `TrainerHandle`. What earlier attempts
+stored (events, the checkpoint to resume from) is read through the storage seam
+(torchyard.storage); the files of the local run directory the worker writes itself are
+worker/runfiles.py's. How an ending is classified is `worker/outcome.py`; what it does to
+the job is `store.lifecycle.finish_attempt`.
 
 Faults, and what this module does about them:
 - the store is unreachable: events stay buffered (never dropped) and their offset is
@@ -20,11 +22,8 @@ Faults, and what this module does about them:
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -39,6 +38,8 @@ from sqlalchemy import exc
 
 from torchyard.contracts.eventfiles import rank_events_file
 from torchyard.settings import Settings
+from torchyard.storage import run_dir, storage_for
+from torchyard.storage.keys import UnsafePath, job_key
 from torchyard.store.attempts import (
     A_CANCELLED,
     A_FAILED,
@@ -53,23 +54,16 @@ from torchyard.store.attempts import (
     end_assignment,
     finish_attempt,
     ingest_start,
-    latest_resume_checkpoint,
     mark_launched,
     read_endpoint,
+    resume_pick,
     set_endpoint,
 )
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced
-from torchyard.store.paths import (
-    EVENTS_FILE,
-    LOG_FILE,
-    SPEC_FILE,
-    UnsafePath,
-    job_dir,
-    resolve_inside,
-)
+from torchyard.store.paths import EVENTS_FILE, LOG_FILE
 from torchyard.store.states import CANCELLING
-from torchyard.worker.events import EventRecorder, EventTail, last_rank_event
+from torchyard.worker.events import EventRecorder, EventTail, end_torn_line_at, last_rank_event
 from torchyard.worker.identity import Device, is_loopback
 from torchyard.worker.inputs import InputError, code_dir, init_file, init_source
 from torchyard.worker.launcher import (
@@ -90,6 +84,7 @@ from torchyard.worker.outcome import (
     describe_exit,
 )
 from torchyard.worker.proc import Launch, free_port, slot_env, trainer_argv
+from torchyard.worker.runfiles import append_to_log, file_size, write_spec_file
 from torchyard.worker.standby import WarmTrainer
 
 log = logging.getLogger(__name__)
@@ -200,7 +195,10 @@ class Supervision:
     def __init__(self, ctx: WorkerContext, c: Claimed):
         self.ctx, self.c = ctx, c
         self.db = ctx.settings.db_url
-        self.run_dir = job_dir(ctx.settings.storage, c.job_id)
+        # Stored files (earlier attempts' events, the checkpoint to resume from) are read
+        # through the storage; the run dir is the local folder this host's trainer writes.
+        self.storage = storage_for(ctx.settings)
+        self.run_dir = run_dir(ctx.settings, c.job_id)
         self.events_path = self.run_dir / EVENTS_FILE
         self.recorder = EventRecorder(c.job_id, c.attempt_id, c.attempt_number)
         self.trainer: TrainerHandle | None = None
@@ -228,10 +226,11 @@ class Supervision:
         """Rank 0: record what earlier attempts' trainers wrote after their supervisor's
         last commit (a worker killed, cut off, or out of store), then return where this
         attempt's own events begin. Those earlier lines are for the record only."""
-        end_torn_line(self.events_path)
+        events = job_key(self.c.job_id, EVENTS_FILE)
+        end_torn_line_at(self.storage, events)
         start = self._tx(lambda s: ingest_start(s, self.c.job_id))
         backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None)
-        tail = EventTail(self.events_path, start)
+        tail = EventTail.open(self.storage, events, start)
         try:
             n = backlog.add_all(tail, final=True)
         finally:
@@ -276,17 +275,18 @@ class Supervision:
         return None
 
     def _resume_path(self, rel: str | None) -> Path | None:
-        """The checkpoint rank 0 picked (relative to the run dir), as this worker sees it."""
+        """The checkpoint rank 0 picked (relative to the run dir), as a file on this host
+        (fetched from the storage where it is not a local one)."""
         if rel is None:
             return None
-        path = readable_file_inside(self.run_dir, rel)
-        if path is None:
+        try:
+            return self.storage.local_copy(job_key(self.c.job_id, rel))
+        except (UnsafePath, FileNotFoundError):
             raise StorageNotShared(
                 f"rank 0 resumes from {rel}, which worker {self.ctx.worker_id} cannot read "
                 f"under {self.run_dir}: every worker must see the same storage "
                 "(TORCHYARD_STORAGE_ROOT)"
-            )
-        return path
+            ) from None
 
     def _log_line(self, text: str) -> None:
         """A marker in the job log. Best effort: a full disk must not wedge the worker."""
@@ -543,8 +543,7 @@ class Supervision:
         start, picked = 0, None
         if self.c.rank == 0:
             start = self._ingest_backlog()  # may record the last checkpoint: look after it
-            found = self._tx(lambda s: latest_resume_checkpoint(s, self.c.job_id, self.run_dir))
-            picked = found[0] if found is not None else None
+            picked = self._tx(lambda s: resume_pick(s, self.c.job_id, self.storage))
         code = code_dir(self.ctx.settings, self.c.spec)
         rdv = self._rendezvous(picked)
         if rdv is None:
@@ -606,58 +605,6 @@ class Supervision:
             f"trainer {describe_exit(rc)} =====\n"
         )
         self.finish(rc, self._ending(rc))
-
-
-# ---- the run's files ---------------------------------------------------------------------
-# Every direct read or write of the job's run directory in this module, one function each,
-# so that a storage interface can take them over in one place.
-
-
-def write_spec_file(run_dir: Path, spec: dict[str, Any]) -> Path:
-    """The job's spec, written atomically where the trainer reads it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / SPEC_FILE
-    tmp = run_dir / f".{SPEC_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(spec, indent=2, sort_keys=True))
-    os.replace(tmp, path)
-    return path
-
-
-def end_torn_line(path: Path) -> None:
-    """A line torn by a kill or a full disk would swallow the new trainer's first line:
-    end it (a missing file is fine)."""
-    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size:
-            f.seek(size - 1)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-
-
-def readable_file_inside(run_dir: Path, rel: str) -> Path | None:
-    """`rel` under `run_dir` when it stays inside and is a file this host can read."""
-    try:
-        path = resolve_inside(run_dir, rel)
-    except UnsafePath:
-        return None
-    return path if path.is_file() else None
-
-
-def append_to_log(path: Path, text: str) -> None:
-    """Append to the job log (raises OSError)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def file_size(path: Path) -> int:
-    """Its size now; 0 when it does not exist yet."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 # ---- errors and rules --------------------------------------------------------------------

@@ -115,7 +115,7 @@ def _keep(tmp: Path, settings: Settings, bundle_id: str, names: list[str]) -> No
     if not storage.exists(key):
         storage.write_file(key, tmp, move=True)
     # Written again on every upload: a names file lost on the server is restored by one.
-    write_bundle_names(settings.storage, bundle_id, names)
+    write_bundle_names(storage, bundle_id, names)
 
 
 def _record(

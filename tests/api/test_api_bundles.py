@@ -19,6 +19,7 @@ from torchyard_testdb import SPEC, Factory
 
 from torchyard.client.bundle import pack
 from torchyard.settings import Settings
+from torchyard.storage import storage_for
 from torchyard.store import bundles as store_bundles
 from torchyard.store.auth import create_token
 from torchyard.store.checkpoints import record_checkpoint
@@ -96,7 +97,7 @@ def test_upload_is_201_then_200_with_the_same_id(
     assert shown.status_code == 200 and shown.json() == body
     stored = _bundle_dir(settings)
     assert (stored / f"{body['id']}.tar.gz").read_bytes() == bundle
-    names = store_bundles.bundle_names(settings.storage, body["id"])
+    names = store_bundles.bundle_names(storage_for(settings), body["id"])
     assert names == ["pkg/__init__.py", "pkg/net.py", "train.py"]
     assert list((stored / "tmp").iterdir()) == []
 
