@@ -157,7 +157,7 @@ import numpy as np
 import torch
 from torchyard.trainer import distributed
 from torchyard.trainer.checkpoint import capture_rng
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {shared!r}]  # this folder and tests/ (specs.py)
 from test_trainer_wire import same
 
 def payload(rank):
@@ -184,7 +184,8 @@ print("ok", d.rank, flush=True)
 @pytest.mark.e2e
 def test_gather_to_main_over_two_gloo_ranks(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parent)))
+    here = Path(__file__).parent
+    script.write_text(RANK_SCRIPT.format(tests=str(here), shared=str(here.parent)))
     port = str(free_port())
     procs = [
         subprocess.Popen(
