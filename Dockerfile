@@ -11,6 +11,10 @@ RUN node build.mjs
 
 FROM python:3.11-slim
 
+# bubblewrap: the sandbox every trainer runs in (worker/sandbox.py).
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+ && rm -rf /var/lib/apt/lists/*
+
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

@@ -4,14 +4,15 @@
 
 Starts `torchyard api` and `torchyard scheduler` on the embedded defaults (SQLite + the
 filesystem broker, as `torchyard up`), then one idle CPU worker at a time: first with
-TORCHYARD_WARM_TRAINER=1, then =0, for --rounds rounds. Each submits --repeats tiny
+TORCHYARD_WARM_TRAINER=1, then =0 (both sandboxed, the default), then warm with
+TORCHYARD_SANDBOX=off, for --rounds rounds. Each submits --repeats tiny
 world_size-1 jobs one after another and measures, from just before POST /v1/jobs:
 - first step: the trainer's first `metric` event (its own `time`, log_every_steps 1, so
   the metrics of step 1: the first optimizer step has completed);
 - started: the trainer's `started` event (model and data ready, before the first step).
 Before each submit the worker is idle and --settle seconds have passed, so a warm
 worker's next standby has finished its imports (as on a worker that was idle). Goal:
-first step median <= 500 ms warm.
+first step median <= 500 ms warm (sandboxed).
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ def one_job(c: Cluster, settle_s: float) -> dict[str, float]:
     }
 
 
-def phase(c: Cluster, name: str, warm: bool, repeats: int, settle_s: float) -> list[dict]:
+def phase(
+    c: Cluster, name: str, warm: bool, repeats: int, settle_s: float, sandbox: str = "on"
+) -> list[dict]:
     """One worker with the warm trainer on or off: a warm-up job, then `repeats` measured."""
-    p = c.start_worker(name, {"TORCHYARD_WARM_TRAINER": "1" if warm else "0"})
+    env = {"TORCHYARD_WARM_TRAINER": "1" if warm else "0", "TORCHYARD_SANDBOX": sandbox}
+    p = c.start_worker(name, env)
     try:
         one_job(c, settle_s)  # warm-up: first imports of the worker's own code paths
         return [one_job(c, settle_s) for _ in range(repeats)]
@@ -79,7 +83,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ty-first-step-"))
     extra = {"TORCHYARD_HEARTBEAT_INTERVAL_S": "2", "TORCHYARD_HEARTBEAT_TIMEOUT_S": "20"}
     c = Cluster(tmp, extra_env=extra)  # no database/broker URL: SQLite + filesystem broker
-    res: dict[str, list[dict]] = {"warm": [], "cold": []}
+    res: dict[str, list[dict]] = {"warm": [], "cold": [], "warm, sandbox off": []}
     try:
         c.start(workers=1)  # the cluster helper waits for a worker: stop it, then ours
         c.procs["w0"].terminate()
@@ -87,6 +91,9 @@ def main() -> int:
         for r in range(args.rounds):
             res["warm"] += phase(c, f"warm{r}", True, args.repeats, args.settle)
             res["cold"] += phase(c, f"cold{r}", False, args.repeats, args.settle)
+            res["warm, sandbox off"] += phase(
+                c, f"off{r}", True, args.repeats, args.settle, sandbox="off"
+            )
     finally:
         c.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,9 +105,11 @@ def main() -> int:
         med[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         for k in rows[0]:
             xs = ", ".join(f"{r[k]:.0f}" for r in rows)
-            print(f"{kind:>4} {k:>14}: median {med[kind][k]:7.0f} ms   [{xs}]")
+            print(f"{kind:>17} {k:>14}: median {med[kind][k]:7.0f} ms   [{xs}]")
     for k in med["warm"]:
         print(f"cold/warm {k}: {med['cold'][k] / med['warm'][k]:.1f}x")
+        off = med["warm, sandbox off"][k]
+        print(f"warm sandboxed/unsandboxed {k}: {med['warm'][k] / off:.2f}x")
     return 0
 
 

@@ -219,6 +219,15 @@ def _bytes(n: float) -> str:
     return _si(n, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"), 1024)
 
 
+def too_many_parameters(params: int, max_params: int, what: str = "this model") -> str:
+    """The words of a model over TORCHYARD_MAX_MODEL_PARAMS (the API's 422, the trainer's
+    `model_too_large` error)."""
+    return (
+        f"{what} has ~{_count(params)} parameters (~{_bytes(4 * params)} as fp32); the "
+        f"server allows at most {_count(max_params)} (TORCHYARD_MAX_MODEL_PARAMS)"
+    )
+
+
 def limit_problems(spec: JobSpec, max_params: int, max_data_bytes: int) -> list[tuple[str, str]]:
     """What the spec asks beyond the server's size limits, as (field, message) pairs like
     SpecError's: per-field caps cannot bound products (16 hidden layers of 65536 are each

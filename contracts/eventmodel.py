@@ -22,21 +22,38 @@ Fields no model names are kept when reading (a newer trainer) but refused when b
 
 Every event may carry `time` (Unix seconds; the trainer always writes it), `attempt` (the
 job's attempt number; absent when the trainer runs by hand) and `pid` (`started`,
-`finished`, `stopped`, `error`)."""
+`finished`, `stopped`, `error`).
+
+A line that parses is not yet a line the worker takes: `event_problem` holds the rules that
+keep what user code writes within what the store can hold (the worker sets a line aside,
+counted and reported, when it names a problem): integers in range (a step is a
+non-negative 63-bit integer), numbers finite (but a metric's value, where a non-finite one
+means "not recorded"), no NUL or control characters in metric names, a metric name at most
+`EventLimits.metric_name_chars` long, checkpoint paths relative and inside the run
+directory with a sha256 of 64 hex digits, and error kinds from `ERROR_KINDS`. The line's
+size and the number of distinct metric names of a job are the worker's to count
+(`EventLimits`)."""
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = [
+    "ERROR_KINDS",
     "EVENT_TYPES",
+    "HOST_FAULT_KINDS",
     "Event",
     "EventBase",
+    "EventLimits",
     "ValidationError",
     "build_event",
     "event_dict",
+    "event_problem",
     "parse_event",
     "parse_event_line",
 ]
@@ -167,3 +184,129 @@ def build_event(data: dict[str, Any]) -> dict[str, Any]:
 def event_dict(event: EventBase) -> dict[str, Any]:
     """An event as the plain dict it was read from (what Outcome and decide() take)."""
     return event.model_dump(exclude_unset=True)
+
+
+# ---- what the worker takes ------------------------------------------------------------------
+
+MAX_INT63 = 2**63 - 1  # the store's BIGINT
+MAX_INT31 = 2**31 - 1  # the store's INTEGER (attempt numbers), and pids and ranks
+# Integer fields held to 32 bits; every other declared integer to 63 bits, both non-negative.
+_INT31_FIELDS = frozenset({"attempt", "pid", "rank", "world_size"})
+_INT_FIELDS = frozenset(
+    {"step", "bytes", "total_steps", "steps_per_epoch", "train_samples", "val_samples",
+     "parameters"} | _INT31_FIELDS
+)  # fmt: skip
+ERROR_KINDS = frozenset(
+    {"nonfinite_loss", "out_of_memory", "data", "storage_full", "peer_failed", "unsupported",
+     "internal", "user_code", "init", "spec", "run_dir_full", "model_too_large"}
+)  # fmt: skip
+"""Every `error` kind a trainer writes (trainer/failures.py), and `run_dir_full`, the
+worker's own (the run directory over TORCHYARD_MAX_RUN_DIR_BYTES)."""
+HOST_FAULT_KINDS = frozenset({"storage_full"})
+"""Kinds that blame the host, not the job: the worker believes them only on its own evidence."""
+CHECKPOINT_KINDS = ("resume", "weights")
+MAX_PATH_CHARS = 500  # the store's checkpoint path column
+MAX_PRUNED = 1000  # paths one checkpoint event may report deleted
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class EventLimits:
+    """What the worker takes from one job's events files (TORCHYARD_MAX_EVENT_LINE_BYTES,
+    TORCHYARD_MAX_METRIC_NAME_CHARS, TORCHYARD_MAX_METRIC_NAMES)."""
+
+    line_bytes: int = 64 * 1024
+    metric_name_chars: int = 100
+    metric_names: int = 1000
+
+
+def _int_problem(key: str, v: int) -> str | None:
+    top = MAX_INT31 if key in _INT31_FIELDS else MAX_INT63
+    if 0 <= v <= top:
+        return None
+    shown = str(v) if abs(v) < 10**30 else f"of {v.bit_length()} bits"
+    return f"{key} {shown} is outside 0..{top}"
+
+
+def _value_problem(key: str, v: Any, depth: int = 0) -> str | None:
+    """A value of no declared integer field: numbers finite, strings without NUL, nested
+    lists and objects alike (a few levels deep at most)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, int | float):
+        try:
+            ok = math.isfinite(float(v))
+        except OverflowError:
+            ok = False
+        return None if ok else f"{key} is not a finite number"
+    if isinstance(v, str):
+        return f"{key} holds a NUL character" if "\x00" in v else None
+    if depth >= 4:
+        return f"{key} is nested too deeply"
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        if isinstance(k, str) and "\x00" in k:
+            return f"{key} has a key with a NUL character"
+        problem = _value_problem(f"{key}.{k}", x, depth + 1)
+        if problem:
+            return problem
+    return None
+
+
+def _path_problem(key: str, path: str) -> str | None:
+    """A path inside the run directory, relative, as the store keeps it."""
+    if not path or len(path) > MAX_PATH_CHARS:
+        return f"{key} must be 1 to {MAX_PATH_CHARS} characters"
+    if path.startswith("/") or "\\" in path or _CONTROL.search(path):
+        return f"{key} {path[:80]!r} must be a plain path relative to the run directory"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return f"{key} {path[:80]!r} must stay inside the run directory (no '..', '.' or '//')"
+    return None
+
+
+def _checkpoint_problem(ev: CheckpointEvent) -> str | None:
+    if ev.kind not in CHECKPOINT_KINDS:
+        return f"checkpoint kind {ev.kind[:40]!r} is not one of {', '.join(CHECKPOINT_KINDS)}"
+    if ev.path is not None and (problem := _path_problem("checkpoint path", ev.path)):
+        return problem
+    if ev.sha256 is not None and not _SHA256.fullmatch(ev.sha256):
+        return "checkpoint sha256 must be 64 lowercase hex digits"
+    if ev.pruned is not None:
+        if len(ev.pruned) > MAX_PRUNED:
+            return f"checkpoint pruned lists more than {MAX_PRUNED} paths"
+        for p in ev.pruned:
+            if problem := _path_problem("checkpoint pruned path", p):
+                return problem
+    return None
+
+
+def _typed_problem(ev: EventBase, limits: EventLimits) -> str | None:
+    """The rules of one event type."""
+    if isinstance(ev, MetricEvent) and ev.name is not None:
+        if len(ev.name) > limits.metric_name_chars:
+            return f"metric name of {len(ev.name)} characters (at most {limits.metric_name_chars})"
+        if not ev.name or _CONTROL.search(ev.name):
+            return "metric name is empty or holds control characters"
+    elif isinstance(ev, CheckpointEvent):
+        return _checkpoint_problem(ev)
+    elif isinstance(ev, ErrorEvent) and ev.kind is not None and ev.kind not in ERROR_KINDS:
+        return f"error kind {ev.kind[:40]!r} is not a known kind"
+    return None
+
+
+def event_problem(ev: EventBase, limits: EventLimits = EventLimits()) -> str | None:
+    """Why the worker must not take this parsed event (None: it may): see the module's
+    docstring. Checks the event alone; the worker counts a job's distinct metric names."""
+    for key, v in ev.model_dump(exclude_none=True).items():
+        if key in _INT_FIELDS and isinstance(v, int) and not isinstance(v, bool):
+            problem = _int_problem(key, v)
+        elif key == "value" and isinstance(ev, MetricEvent):
+            problem = _value_problem(key, v) if isinstance(v, int) else None  # nan: not kept
+        else:
+            problem = _value_problem(key, v)
+        kind = getattr(ev, "type", "an")
+        if problem:
+            return f"{kind} event: {problem}"
+    problem = _typed_problem(ev, limits)
+    return f"{getattr(ev, 'type', 'an')} event: {problem}" if problem else None

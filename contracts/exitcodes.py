@@ -20,8 +20,10 @@ OUT_OF_MEMORY = 4
 """The device (or host) ran out of memory; an `error` event (kind `out_of_memory`) was written."""
 STORAGE_FULL = 5
 """The run directory's file system is full (or over quota): not the job's fault, so the
-worker hands it back instead of counting a failure. An `error` event (kind `storage_full`)
-is written if there is room for it."""
+worker hands it back instead of counting a failure, once it has found the file system full
+itself (user code can exit 5 too: without the worker's own evidence it is an ordinary,
+counted failure; worker/outcome.py). An `error` event (kind `storage_full`) is written if
+there is room for it."""
 PREEMPTED = 75
 """SIGTERM (or SIGINT) received: a checkpoint was saved, a `stopped` event written; resumable."""
 

@@ -10,11 +10,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
-# The dashboard's browser tests need Debian's chromium and Node (for the build); as root
-# they are installed when missing, else the tests say what is missing (and fail under CI).
+# The dashboard's browser tests need Debian's chromium and Node (for the build), the sandbox
+# bubblewrap; as root they are installed when missing, else the tests say what is missing (and fail under CI).
 need=()
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
+# The trainer's sandbox (worker/sandbox.py): under CI its tests fail, never skip, without it.
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "==> installing ${need[*]}"

@@ -2,9 +2,12 @@
 TORCHYARD_STORAGE_ROOT), so a job's run directory is its folder under the root itself and
 nothing is copied in or out.
 
-Every key is resolved with symlinks followed and refused (`UnsafePath`) when it lands
-outside its scope (a job's folder, the bundles folder: storage/keys.py), so a stored path
-or a symlink a job planted cannot reach another job's files or the host's. Writes go to a
+No symbolic link under the root is ever followed: a job can plant links in its run
+directory (an `output.log` pointing at another job's log, or at a file of the host), and
+whatever points where, a key whose path has a link in it is refused (`UnsafePath`). Reads
+walk from the root one folder at a time (`openat` with O_NOFOLLOW, O_NONBLOCK on the file so
+a planted FIFO cannot hang a reader), so a link swapped in after a check is refused too;
+only a regular file is an object. Writes check the path for links first, then go to a
 temporary name beside the target, are fsynced, renamed over it and the folder fsynced.
 """
 
@@ -15,18 +18,46 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 from urllib.parse import unquote, urlparse
 
 from torchyard.settings import Settings
 from torchyard.storage.base import COPY_BLOCK, BoundedReader, ObjectInfo, Storage
-from torchyard.storage.keys import UnsafePath, check_key, job_prefix, scope_of
+from torchyard.storage.keys import UnsafePath, check_key, job_prefix
 
-__all__ = ["FileTail", "LocalStorage", "resolve_inside"]
+__all__ = ["FileTail", "LocalStorage", "open_regular", "resolve_inside"]
 
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# A folder on the way: never through a link. The file itself: never a link, and opened
+# without blocking (a FIFO would wait for a writer forever), then checked to be regular.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+
+
+def _link_refused(key: str) -> UnsafePath:
+    return UnsafePath(f"refused path {key!r}: it goes through a symbolic link")
+
+
+def open_regular(path: Path, key: str | None = None, dir_fd: int | None = None) -> BinaryIO:
+    """`path` opened for reading without following a link in its last part: UnsafePath for
+    a link, FileNotFoundError when it is missing or not a regular file (a folder, a FIFO)."""
+    try:
+        fd = os.open(path, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP or (dir_fd is None and os.path.islink(path)):
+            raise _link_refused(key or str(path)) from None
+        if isinstance(e, _MISSING):
+            raise FileNotFoundError(key or str(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileNotFoundError(key or str(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def resolve_inside(base: Path, relative: str) -> Path:
@@ -58,27 +89,49 @@ def _is_temp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+MAX_TAIL_READ = 64 << 20  # bytes one FileTail.read returns at most (the rest: the next call)
+
+
 class FileTail:
     """A local file read as it grows, from a byte offset: kept open once it exists, so each
-    read is one `read` call until EOF (what the worker's event tail polls)."""
+    read is one `read` call until EOF (what the worker's event tail polls). A link or
+    anything but a regular file in its place is never opened: it reads as not there yet.
+    `opener` opens it (default: `open_regular(path)`)."""
 
-    def __init__(self, path: Path, offset: int = 0) -> None:
+    def __init__(
+        self, path: Path, offset: int = 0, opener: Callable[[], BinaryIO] | None = None
+    ) -> None:
         self.path, self.offset = path, offset
+        self._opener = opener or (lambda: open_regular(path))
         self._f: Any = None
+        self.more = False  # the last read stopped at MAX_TAIL_READ: there is more already
 
     def read(self) -> bytes:
         if self._f is None:
             try:
-                self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 (kept open)
-            except FileNotFoundError:
+                self._f = self._opener()
+            except (FileNotFoundError, UnsafePath):
                 return b""
             self._f.seek(self.offset)
         out = []
+        got = 0
+        self.more = False
         while True:
+            if got >= MAX_TAIL_READ:  # a file that grew by gigabytes comes in slices
+                self.more = True
+                break
             b = self._f.read(COPY_BLOCK)
             if not b:
                 break
             out.append(b)
+            got += len(b)
         data = b"".join(out)
         self.offset += len(data)
         return data
@@ -103,34 +156,65 @@ class LocalStorage(Storage):
         return cls(Path(unquote(urlparse(url).path)))
 
     def _path(self, key: str) -> Path:
-        """The file of `key`, symlinks resolved, checked to stay inside its scope."""
+        """The file of `key` (whether or not it exists), refused when any part of it that
+        exists under the root is a symbolic link (a check, then the caller's own open: the
+        reads below walk with openat instead, which leaves no gap)."""
         clean = check_key(key)
-        scope = (self.root / scope_of(clean)).resolve()
-        target = (self.root / clean).resolve()
-        if target != scope and scope not in target.parents:
-            raise UnsafePath(f"refused path {key!r}: it resolves outside {scope_of(clean)}/")
-        return target
+        path = self.root
+        for part in clean.split("/"):
+            path = path / part
+            try:
+                mode = os.lstat(path).st_mode
+            except _MISSING:
+                return self.root / clean  # nothing further down exists, so no link
+            if stat.S_ISLNK(mode):
+                raise _link_refused(key)
+        return path
+
+    def _parent(self, key: str) -> tuple[int, str]:
+        """(an open folder of the key's last part, that part): reached from the root one
+        folder at a time, never through a link. The caller closes the folder."""
+        *folders, name = check_key(key).split("/")
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+        try:
+            for part in folders:
+                try:
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno == errno.ELOOP or _is_link(part, fd):
+                        raise _link_refused(key) from None
+                    if isinstance(e, _MISSING):
+                        raise FileNotFoundError(key) from None
+                    raise
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
 
     # ---------------------------------------------------------------- reading
 
     def stat(self, key: str) -> ObjectInfo:
+        folder, name = self._parent(key)
         try:
-            st = os.stat(self._path(key))
+            st = os.stat(name, dir_fd=folder, follow_symlinks=False)
         except _MISSING:
             raise FileNotFoundError(key) from None
+        finally:
+            os.close(folder)
+        if stat.S_ISLNK(st.st_mode):
+            raise _link_refused(key)
         if not stat.S_ISREG(st.st_mode):
             raise FileNotFoundError(key)
         return ObjectInfo(check_key(key), st.st_size, st.st_mtime)
 
     def _open(self, key: str) -> BinaryIO:
+        folder, name = self._parent(key)
         try:
-            f = open(self._path(key), "rb")  # noqa: SIM115 (the caller closes it)
-        except _MISSING:
-            raise FileNotFoundError(key) from None
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            f.close()
-            raise FileNotFoundError(key)
-        return f
+            return open_regular(Path(name), key, dir_fd=folder)
+        finally:
+            os.close(folder)
 
     def open_read(self, key: str, start: int = 0, length: int | None = None) -> BinaryIO:
         f = self._open(key)
@@ -147,7 +231,7 @@ class LocalStorage(Storage):
             return f.read(limit), size
 
     def open_tail(self, key: str, offset: int = 0) -> FileTail:
-        return FileTail(self._path(key), offset)
+        return FileTail(self._path(key), offset, opener=lambda: self._open(key))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         clean = check_key(prefix, allow_empty=True)
@@ -218,7 +302,14 @@ class LocalStorage(Storage):
     def append(self, key: str, data: bytes) -> None:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(
+                target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644
+            )
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _link_refused(key) from None
+            raise
         try:
             view = memoryview(data)
             while view:

@@ -4,9 +4,10 @@ The kinds decide what the scheduler does (worker/outcome.py): `data`, `out_of_me
 `nonfinite_loss` and `unsupported` (an op `deterministic: true` cannot run) are the job's
 own and fail it at once, as do `user_code` (an exception raised by, or a wrong value
 returned from, the user's model, data set or script: `UserCodeError`), `init` (the
-spec's `init` weights do not fit the model) and `spec` (it names a model this worker's
-torchvision lacks); `storage_full` is the worker's and
-hands the job back; `peer_failed` means another rank died first (its worker reports the
+spec's `init` weights do not fit the model), `spec` (it names a model this worker's
+torchvision lacks) and `model_too_large` (over TORCHYARD_MAX_MODEL_PARAMS); `storage_full` is the worker's and
+hands the job back (when the worker, looking at the file system itself, finds it full: user
+code could claim it too); `peer_failed` means another rank died first (its worker reports the
 real cause), and `internal` is retried.
 
 Errors arrive wrapped: torch.compile re-raises an OOM as BackendCompilerFailed or
@@ -111,10 +112,15 @@ class InitError(Exception):
     """The spec's `init` weights cannot start this model (missing, mismatched tensors)."""
 
 
+class ModelTooLarge(Exception):
+    """The model has more parameters than the server allows (TORCHYARD_MAX_MODEL_PARAMS),
+    found before it was allocated (trainer/modelguard.py)."""
+
+
 def describe(e: BaseException) -> str:
     """The `error` event's message: our own error types say what happened in their text;
     any other exception needs its type's name too."""
-    if isinstance(e, UserCodeError | InitError | SpecProblem):
+    if isinstance(e, UserCodeError | InitError | SpecProblem | ModelTooLarge):
         return str(e)
     return f"{type(e).__name__}: {e}"
 
@@ -132,6 +138,8 @@ def classify(e: BaseException, run_dir: Path) -> tuple[str, int]:
         return "init", exitcodes.FAILED
     if isinstance(e, SpecProblem):
         return "spec", exitcodes.FAILED
+    if isinstance(e, ModelTooLarge):
+        return "model_too_large", exitcodes.FAILED
     if is_peer_failure(e):
         return "peer_failed", exitcodes.FAILED
     if any(isinstance(x, RuntimeError) and NO_DETERMINISTIC_KERNEL in str(x) for x in chain(e)):

@@ -1,6 +1,7 @@
 """The models a spec can name: built in (`mlp`, `lenet`, `resnet18`), any torchvision
 classification model (`torchvision/<name>`, random init) or the user's factory
-(`module:function`). Input shape and class count come from the data."""
+(`module:function`). Input shape and class count come from the data; the server's size
+limit is checked before a model the API could not count is allocated (modelguard.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from torchyard.contracts.spec import ModelSpec
 from torchyard.trainer.failures import SpecProblem, UserCodeError
+from torchyard.trainer.modelguard import checked_build
 from torchyard.trainer.usercode import call_user, load_factory
 
 
@@ -107,11 +109,18 @@ def factory_model(
 
 
 def build_model(spec: ModelSpec, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """The spec's model for samples of `in_shape`; the caller seeds torch first."""
+    """The spec's model for samples of `in_shape`; the caller seeds torch first. A
+    torchvision or factory model is counted before it is allocated, against the server's
+    limit in the environment (modelguard.py); built-in models were counted at submit."""
+    args = spec.args or {}
     if spec.kind == "torchvision":
-        return torchvision_model(spec.name.partition("/")[2], num_classes, spec.args or {})
+        name = spec.name.partition("/")[2]
+        return checked_build(lambda: torchvision_model(name, num_classes, args), spec.name)
     if spec.kind == "factory":
-        return factory_model(spec.name, tuple(in_shape), num_classes, spec.args or {})
+        shape = tuple(in_shape)
+        return checked_build(
+            lambda: factory_model(spec.name, shape, num_classes, args), f"model {spec.name}"
+        )
     if spec.name == "mlp":
         return mlp(math.prod(in_shape), spec.hidden_sizes, num_classes)
     if len(in_shape) != 3:

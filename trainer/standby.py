@@ -3,8 +3,9 @@ warm trainer, worker/standby.py), so a job's first step does not wait for `impor
 
 It follows its parent as the trainer does, imports torch and the training modules (no CUDA,
 no process group, no data), then reads ONE JSON line on stdin from the worker (a pipe, never
-a user): the job's arguments, its whole environment, and its log file. It appends its
-stdout and stderr to that log, moves into the run directory, takes the environment, and
+a user): the job's arguments, its whole environment, and its log file (or none, when its
+output already goes through the worker's pipe). It appends its stdout and stderr to that
+log, moves into the run directory, takes the environment, and
 runs exactly `trainer.cli.main` with those arguments: same events, same exit codes.
 
 End of input (the worker stopping) exits 0 quietly; SIGTERM while waiting ends it too (the
@@ -35,13 +36,20 @@ class Go(BaseModel):
     run_dir: str
     options: list[str] = []  # --resume, --code-dir, --init with their absolute paths
     env: dict[str, str]
-    log: str
+    log: str = ""  # "": the output already goes where it should (the worker's pipe)
 
-    @field_validator("spec", "run_dir", "log")
+    @field_validator("spec", "run_dir")
     @classmethod
     def _absolute(cls, v: str) -> str:
         if not os.path.isabs(v):
             raise ValueError("must be an absolute path")
+        return v
+
+    @field_validator("log")
+    @classmethod
+    def _log(cls, v: str) -> str:
+        if v and not os.path.isabs(v):
+            raise ValueError("must be an absolute path or empty")
         return v
 
     @field_validator("options")
@@ -88,12 +96,13 @@ def _become(go: Go) -> None:
     null = os.open(os.devnull, os.O_RDONLY)  # the worker's pipe is done with, as cold: DEVNULL
     os.dup2(null, 0)
     os.close(null)
-    fd = os.open(go.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-    finally:
-        os.close(fd)
+    if go.log:
+        fd = os.open(go.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+        finally:
+            os.close(fd)
     os.chdir(go.run_dir)
     os.environ.clear()
     os.environ.update(go.env)

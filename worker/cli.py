@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torchyard.settings import load_settings, setup_logging
+from torchyard.settings import load_settings, private_umask, setup_logging
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -47,6 +47,7 @@ def worker_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.gpu is not None and args.gpu < 0:
         p.error("--gpu must be >= 0")
+    private_umask()
     setup_logging(args.log_level)
     settings = load_settings()
     if settings is None:

@@ -9,8 +9,12 @@ committed offset, so a store outage of any length loses nothing. Events of anoth
 attempt than the recorder's (a previous trainer's last lines) are recorded (metrics,
 checkpoints) but never change the job's state.
 
-Every line is parsed by the trainer's event model (contracts/eventmodel.py); a line that is
-not a valid event is logged and skipped. Stored files are read through the storage seam
+Every line is parsed by the trainer's event model (contracts/eventmodel.py) and checked
+against its rules (`event_problem`) and the worker's limits (`EventLimits`: a line's size,
+a job's distinct metric names) before anything of it reaches the store. A line that fails,
+and a batch the store refuses (store/ingest.py `refused_by_store`), is set aside
+(`SetAside`): counted, reported in the job log and in the attempt's reason, never retried.
+Stored files are read through the storage seam
 (`EventTail.open`, `last_rank_event_at`, `end_torn_line_at`); a local `Path` (the run
 directory's own file, which this host's trainer writes) is read as a file."""
 
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,22 +31,27 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from torchyard.contracts.eventmodel import (
+    CHECKPOINT_KINDS,
     CheckpointEvent,
     ErrorEvent,
     Event,
+    EventLimits,
     MetricEvent,
     Progress,
     Started,
     Stopped,
     ValidationError,
     event_dict,
+    event_problem,
     parse_event,
     parse_event_line,
 )
+from torchyard.settings import Settings
 from torchyard.storage import Storage, Tail
 from torchyard.storage.local import FileTail
-from torchyard.store.attempts import fence_flush
+from torchyard.store.attempts import fence_flush, note_attempt
 from torchyard.store.checkpoints import mark_deleted, record_checkpoint
+from torchyard.store.ingest import refused_by_store
 from torchyard.store.lifecycle import mark_started
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import UnsafePath
@@ -48,19 +59,59 @@ from torchyard.store.paths import UnsafePath
 log = logging.getLogger(__name__)
 
 PROGRESS_KEYS = ("step", "total_steps", "epoch", "samples_per_s", "eta_s")
-CHECKPOINT_KINDS = ("resume", "weights")
+NOTES_LOGGED = 50  # set-aside lines one recorder names in the job log; later ones are counted
+TAIL_BATCH = 2000  # lines the supervision loop takes per turn (bounded work between polls)
 
 
-def _parse(line: bytes) -> Event | None:
+def _parse(line: bytes) -> Event | str:
+    """The event of one line, or why it is not one."""
     try:
         return parse_event_line(line)
     except ValidationError as e:
-        log.warning(
-            "skipping a malformed event line (%d bytes): %s",
-            len(line),
-            e.errors(include_url=False, include_input=False)[:3],
-        )
-        return None
+        errors = e.errors(include_url=False, include_input=False)[:3]
+        log.warning("skipping a malformed event line (%d bytes): %s", len(line), errors)
+        loc = errors[0]["loc"] if errors else ()
+        msg = errors[0]["msg"] if errors else "invalid"
+        where = ".".join(str(x) for x in loc)
+        return f"not a valid event ({where + ': ' if where else ''}{msg})"
+
+
+@dataclass
+class SetAside:
+    """Lines (or a refused batch's points) the worker did not take: counted, the first
+    reasons kept for the job log (`take_log_lines`) and the attempt's reason (`summary`)."""
+
+    count: int = 0
+    first: str | None = None
+    notes: list[str] = field(default_factory=list)  # not yet in the job log
+    unnamed: int = 0  # set aside past NOTES_LOGGED, not yet in the job log
+    named: int = 0  # notes ever taken for the log
+
+    def add(self, why: str, n: int = 1) -> None:
+        self.count += n
+        self.first = self.first or why
+        if self.named + len(self.notes) < NOTES_LOGGED:
+            self.notes.append(why if n == 1 else f"{n} points: {why}")
+        else:
+            self.unnamed += n
+
+    def take_log_lines(self) -> list[str]:
+        """What to append to the job log since the last call."""
+        lines = [f"===== torchyard: event line set aside: {why} =====\n" for why in self.notes]
+        if self.unnamed:
+            lines.append(
+                f"===== torchyard: {self.unnamed} more event lines set aside "
+                f"({self.count} in all) =====\n"
+            )
+        self.named += len(self.notes)
+        self.notes, self.unnamed = [], 0
+        return lines
+
+    def summary(self) -> str | None:
+        """For the attempt's reason: how many, and the first reason."""
+        if not self.count:
+            return None
+        return f"{self.count} event line(s) set aside (the first: {self.first}); see the job log"
 
 
 def _last_rank_event(data: bytes, attempt: int) -> dict[str, Any] | None:
@@ -69,6 +120,8 @@ def _last_rank_event(data: bytes, attempt: int) -> dict[str, Any] | None:
         try:
             ev = parse_event_line(line)
         except ValidationError:  # a torn last line: the rank was killed mid-write
+            continue
+        if event_problem(ev) is not None:
             continue
         if isinstance(ev, ErrorEvent | Stopped) and ev.attempt == attempt:
             found = ev
@@ -116,23 +169,32 @@ def end_torn_line_at(storage: Storage, key: str) -> None:
 
 class EventTail:
     """New complete JSON lines of an append-only file, from a byte offset on. A line still
-    being written stays buffered until its newline arrives. `source`: a local file, or a
-    storage tail opened at `offset` (`EventTail.open`)."""
+    being written stays buffered until its newline arrives, up to `max_line` bytes: a
+    longer one is dropped as it comes (never held whole) and reported in `bad`, as is every
+    line that is not an event. `source`: a local file, or a storage tail opened at
+    `offset` (`EventTail.open`)."""
 
-    def __init__(self, source: Path | Tail, offset: int = 0):
+    def __init__(self, source: Path | Tail, offset: int = 0, max_line: int = 64 * 1024):
         self.offset = offset
+        self.max_line = max_line
         self._tail: Tail = FileTail(source, offset) if isinstance(source, Path) else source
         self._partial = b""
+        self._lines: deque[tuple[bytes, int]] = deque()  # complete lines not yet returned
+        self._queued = 0  # their bytes in the file (newlines counted)
+        self._skipping = False  # inside a line over max_line: dropped up to its newline
+        self.bad: list[str] = []  # why each line not returned was refused, until taken
 
     @classmethod
-    def open(cls, storage: Storage, key: str, offset: int = 0) -> EventTail:
+    def open(
+        cls, storage: Storage, key: str, offset: int = 0, max_line: int = 64 * 1024
+    ) -> EventTail:
         """The stored events file `key`, from byte `offset`."""
-        return cls(storage.open_tail(key, offset), offset)
+        return cls(storage.open_tail(key, offset), offset, max_line)
 
     @property
     def consumed(self) -> int:
-        """Offset just past the last complete line returned (a partial line not counted)."""
-        return self.offset - len(self._partial)
+        """Offset just past the last line returned (lines queued or partial not counted)."""
+        return self.offset - len(self._partial) - self._queued
 
     @staticmethod
     def size_of(path: Path) -> int:
@@ -141,18 +203,67 @@ class EventTail:
         except FileNotFoundError:
             return 0
 
-    def _chunks(self) -> bytes:
+    def _too_long(self, n: int | None = None) -> str:
+        size = f"{n} bytes" if n is not None else f"more than {self.max_line} bytes"
+        return f"a line of {size} (TORCHYARD_MAX_EVENT_LINE_BYTES is {self.max_line})"
+
+    def _split(self, data: bytes, final: bool) -> None:
+        """Queue the complete lines of `data` (after what was partial)."""
+        if self._skipping:
+            cut = data.find(b"\n")
+            if cut < 0:
+                data = b""
+            else:
+                data, self._skipping = data[cut + 1 :], False
+                self.bad.append(self._too_long())
+        parts = (self._partial + data).split(b"\n")
+        self._partial = parts.pop()
+        for line in parts:
+            self._lines.append((line, len(line) + 1))
+        self._queued += sum(len(line) + 1 for line in parts)
+        if len(self._partial) > self.max_line:
+            self._partial, self._skipping = b"", True
+        if final:
+            if self._partial:
+                self._lines.append((self._partial, len(self._partial)))
+                self._queued += len(self._partial)
+                self._partial = b""
+            if self._skipping:
+                self._skipping = False
+                self.bad.append(self._too_long())
+
+    def read(self, final: bool = False, limit: int | None = None) -> list[Event]:
+        """Events completed since the last call, at most `limit` lines' worth (the rest
+        stays queued for the next call); with `final`, also a last unterminated line."""
         data = self._tail.read()
         self.offset += len(data)
-        return data
+        more = bool(getattr(self._tail, "more", False))  # a slice of a larger backlog
+        self._split(data, final and not more)
+        out: list[Event] = []
+        n = len(self._lines) if limit is None else min(limit, len(self._lines))
+        for _ in range(n):
+            line, size = self._lines.popleft()
+            self._queued -= size
+            if not line.strip():
+                continue
+            if len(line) > self.max_line:
+                self.bad.append(self._too_long(len(line)))
+                continue
+            ev = _parse(line)
+            if isinstance(ev, str):
+                self.bad.append(ev)
+            else:
+                out.append(ev)
+        return out
 
-    def read(self, final: bool = False) -> list[Event]:
-        """Events completed since the last call; with `final`, also a last unterminated line."""
-        data = self._partial + self._chunks()
-        lines = data.split(b"\n")
-        self._partial = b"" if final else lines.pop()
-        parsed = (_parse(line) for line in lines if line.strip())
-        return [ev for ev in parsed if ev is not None]
+    @property
+    def drained(self) -> bool:
+        """No complete line is waiting to be returned, nor unread bytes the last read left."""
+        return not self._lines and not getattr(self._tail, "more", False)
+
+    def take_bad(self) -> list[str]:
+        bad, self.bad = self.bad, []
+        return bad
 
     def close(self) -> None:
         self._tail.close()
@@ -178,12 +289,13 @@ class Outcome:
 
 
 def _metric_row(ev: MetricEvent) -> dict[str, Any] | None:
-    """The store row of a metric event; None when it has no name, step or finite value."""
+    """The store row of a metric event (checked by `event_problem` first); None when it has
+    no name, step or finite value (a NaN loss is written as null: not recorded)."""
     value, when = _num(ev.value), _num(ev.time)
     if ev.name is None or ev.step is None or value is None:
         return None
     return {
-        "name": ev.name[:100],
+        "name": ev.name,
         "step": ev.step,
         "epoch": _num(ev.epoch),
         "value": value,
@@ -191,12 +303,26 @@ def _metric_row(ev: MetricEvent) -> dict[str, Any] | None:
     }
 
 
+Tx = Callable[[Callable[[Session], Any]], Any]  # runs a function in one transaction
+
+
+def event_limits(settings: Settings) -> EventLimits:
+    """The worker's limits on what it takes from a job's events files."""
+    return EventLimits(
+        line_bytes=settings.max_event_line_bytes,
+        metric_name_chars=settings.max_metric_name_chars,
+        metric_names=settings.max_metric_names,
+    )
+
+
 @dataclass
 class EventRecorder:
     """Buffers events of one attempt and writes them in one fenced transaction per flush.
 
     `attempt_number` None records events for the record only (a backlog of earlier
-    attempts): nothing in it moves the job or counts as this attempt's outcome."""
+    attempts): nothing in it moves the job or counts as this attempt's outcome. `names`:
+    the job's distinct metric names so far (read from the store before the first batch;
+    a backlog's recorder and the attempt's share one set)."""
 
     job_id: str
     attempt_id: int
@@ -207,6 +333,10 @@ class EventRecorder:
     progress: dict[str, Any] | None = None
     started_pending: bool = False
     offset: int | None = None  # where the buffered events end in the file
+    limits: EventLimits = field(default_factory=EventLimits)
+    names: set[str] = field(default_factory=set)
+    set_aside: SetAside = field(default_factory=SetAside)
+    _reported: int = 0  # set-aside count last written to the attempt's reason
 
     def _own(self, ev: Event) -> bool:
         if self.attempt_number is None:
@@ -214,12 +344,31 @@ class EventRecorder:
         # A trainer started by hand (no TORCHYARD_ATTEMPT) writes no attempt number.
         return ev.attempt is None or ev.attempt == self.attempt_number
 
+    def _refused(self, ev: Event) -> str | None:
+        """Why this event is not taken (its own rules, then the job's name budget)."""
+        problem = event_problem(ev, self.limits)
+        if problem is not None or not isinstance(ev, MetricEvent) or ev.name is None:
+            return problem
+        if ev.name not in self.names:
+            if len(self.names) >= self.limits.metric_names:
+                return (
+                    f"metric {ev.name!r}: the job has {len(self.names)} metric names already "
+                    f"(TORCHYARD_MAX_METRIC_NAMES is {self.limits.metric_names})"
+                )
+            self.names.add(ev.name)
+        return None
+
     def add(self, ev: Event | dict[str, Any], offset: int | None = None) -> None:
-        """Buffer one event (a dict is parsed first: ValidationError if it is not one)."""
+        """Buffer one event (a dict is parsed first: ValidationError if it is not one); an
+        event the rules refuse is set aside instead."""
         if isinstance(ev, dict):
             ev = parse_event(ev)
         if offset is not None:
             self.offset = offset
+        why = self._refused(ev)
+        if why is not None:
+            self.set_aside.add(why)
+            return
         if isinstance(ev, MetricEvent):
             row = _metric_row(ev)
             if row is not None:
@@ -247,11 +396,15 @@ class EventRecorder:
         elif isinstance(ev, Stopped):
             self.outcome.stopped = event_dict(ev)
 
-    def add_all(self, tail: EventTail, final: bool = False) -> int:
-        events = tail.read(final=final)
+    def add_all(self, tail: EventTail, final: bool = False, limit: int | None = None) -> int:
+        """Buffer what `tail` has (at most `limit` lines); the lines it refused are set
+        aside. Returns the number of events read."""
+        events = tail.read(final=final, limit=limit)
         for ev in events:
             self.add(ev)
-        self.offset = tail.offset if final else tail.consumed
+        for why in tail.take_bad():
+            self.set_aside.add(why)
+        self.offset = tail.offset if final and tail.drained else tail.consumed
         return len(events)
 
     @property
@@ -261,26 +414,34 @@ class EventRecorder:
             + len(self.checkpoints)
             + int(self.progress is not None)
             + int(self.started_pending)
+            + int(self.set_aside.count != self._reported)
         )
 
     def _write_checkpoint(self, session: Session, c: CheckpointEvent) -> None:
+        """One checkpoint row, in a savepoint: one the store refuses is set aside alone."""
         try:
-            record_checkpoint(
-                session,
-                self.job_id,
-                attempt=c.attempt if c.attempt is not None else (self.attempt_number or 0),
-                step=c.step or 0,
-                epoch=_num(c.epoch),
-                path=c.path or "",
-                bytes=c.bytes or 0,
-                sha256=c.sha256 or "",
-                kind=c.kind,
-            )
+            with session.begin_nested():
+                record_checkpoint(
+                    session,
+                    self.job_id,
+                    attempt=c.attempt if c.attempt is not None else (self.attempt_number or 0),
+                    step=c.step or 0,
+                    epoch=_num(c.epoch),
+                    path=c.path or "",
+                    bytes=c.bytes or 0,
+                    sha256=c.sha256 or "",
+                    kind=c.kind,
+                )
+                # keep_last deleted these files: stop listing them for download or resume.
+                if c.pruned is not None:
+                    mark_deleted(session, self.job_id, c.pruned)
         except (UnsafePath, ValueError, TypeError) as e:
             log.warning("checkpoint event refused: %s", e)
-        # keep_last deleted these files: stop listing them for download or resume.
-        if c.pruned is not None:
-            mark_deleted(session, self.job_id, c.pruned)
+            self.set_aside.add(f"checkpoint event refused: {e}")
+        except Exception as e:
+            if not refused_by_store(e):
+                raise
+            self.set_aside.add(f"checkpoint {c.path!r}: the store refused it ({_short(e)})")
 
     def write(self, session: Session) -> None:
         """Write the buffer in the caller's transaction, fenced by the attempt (raises
@@ -288,13 +449,14 @@ class EventRecorder:
         progress = None
         if self.progress is not None and self.attempt_number is not None:
             progress = (self.attempt_number, self.progress)
+        report = self.set_aside.count != self._reported
         # The fence, the events offset and the job's version (its ETag: a 304 must not hide
         # new rows) with its progress, in one round trip: all commit with the rows or none.
         fence_flush(
             session,
             self.attempt_id,
             self.offset,
-            touch_job=bool(self.metrics or self.checkpoints or progress),
+            touch_job=bool(self.metrics or self.checkpoints or progress or report),
             progress=progress,
         )
         if self.started_pending:
@@ -303,7 +465,45 @@ class EventRecorder:
             ingest_metrics(session, self.job_id, self.metrics)
         for c in self.checkpoints:
             self._write_checkpoint(session, c)
+        if report:
+            note_attempt(session, self.attempt_id, self.set_aside.summary())
+
+    def commit(self, tx: Tx) -> None:
+        """`write` the buffer through `tx` and `clear()` it. A batch the store refuses for
+        what it holds is not sent again as it was: its metric points are set aside and the
+        rest written; if that is refused too, its checkpoints and progress go as well and
+        only the fence, the offset and the start are written. Fenced, a lost connection and
+        anything else propagate (the buffer is kept)."""
+        for stage in range(3):
+            try:
+                tx(self.write)
+                break
+            except Exception as e:
+                if stage == 2 or not refused_by_store(e):
+                    raise
+                self._drop(stage, e)
+        self.clear()
+
+    def _drop(self, stage: int, e: BaseException) -> None:
+        why = f"the store refused the batch ({_short(e)})"
+        log.warning("job %s: %s; setting it aside", self.job_id, why)
+        if stage == 0 and self.metrics:
+            self.set_aside.add(f"{len(self.metrics)} metric points: {why}", len(self.metrics))
+            self.metrics = []
+            return
+        n = len(self.metrics) + len(self.checkpoints) + int(self.progress is not None)
+        self.set_aside.add(f"{n} events: {why}", max(n, 1))
+        self.metrics, self.checkpoints, self.progress = [], [], None
 
     def clear(self) -> None:
+        """After `write` committed: the buffer is in the store, the set-aside count too."""
         self.metrics, self.checkpoints = [], []
         self.progress, self.started_pending = None, False
+        self._reported = self.set_aside.count
+
+
+def _short(e: BaseException) -> str:
+    """An exception in one line of at most 200 characters (a driver's text can be long)."""
+    orig = getattr(e, "orig", None) or e
+    text = " ".join(str(orig).split())
+    return f"{type(orig).__name__}: {text[:200]}"

@@ -6,9 +6,13 @@ modules starts or signals a trainer process.
 
 Each backend is one module with a `create_launcher(settings, standby)` function, named in
 `LAUNCHERS` and imported only when chosen (so a backend's client library loads only where it
-is used). Today there is one, `local` (worker/launch_local.py: a process group on this host,
-or the slot's warm standby); a sandboxed, Kubernetes or Slurm launcher is one more module
-and one more line here.
+is used). Two today: `sandbox` (worker/launch_sandbox.py: the trainer inside bubblewrap, the
+default wherever the host can run it) and `local` (worker/launch_local.py: a process group
+on this host with the worker's rights, for TORCHYARD_SANDBOX=off); a Kubernetes or Slurm
+launcher is one more module and one more line here. `choose_launcher` picks by settings.
+
+Whatever runs it, a trainer's output reaches its log through the worker's capped pipe
+(worker/logpump.py), never by the trainer opening the log itself.
 
 The end of a trainer is told as a Popen return code, whatever runs it: >= 0 is its exit
 code, -N means it was killed by signal N (worker/outcome.py classifies that)."""
@@ -20,15 +24,16 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torchyard.settings import Settings
 from torchyard.worker.proc import Launch
 
-DEFAULT_LAUNCHER = "local"
+DEFAULT_LAUNCHER = "sandbox"
 # name -> "module:factory"; the one place a launcher is chosen by name.
 LAUNCHERS: dict[str, str] = {
     "local": "torchyard.worker.launch_local:create_launcher",
+    "sandbox": "torchyard.worker.launch_sandbox:create_launcher",
 }
 
 
@@ -41,8 +46,15 @@ class LaunchRequest:
     argv: list[str]  # the command (worker/proc.py trainer_argv): never a shell
     env: dict[str, str]  # its whole environment (worker/proc.py slot_env)
     cwd: Path  # the run directory
-    log_path: Path  # the job log its stdout and stderr are appended to
+    log_path: Path  # the job log its stdout and stderr are appended to (capped)
     warm_ok: bool = False  # a warm standby may take it (one rank only)
+    max_log_bytes: int = 256 * 1024**2  # TORCHYARD_MAX_LOG_BYTES
+    runs_code: bool = False  # the job runs code named by its user (contracts JobSpec.runs_code)
+
+
+class SandboxRefused(Exception):
+    """The job runs user code and this worker cannot confine it: the attempt fails, not
+    retried (worker/launch_sandbox.py)."""
 
 
 @runtime_checkable
@@ -85,9 +97,17 @@ class TrainerHandle(Protocol):
 @runtime_checkable
 class Standby(Protocol):
     """A trainer started ahead of its job on this slot (worker/standby.py), which a
-    launcher may hand a one-rank job instead of starting one."""
+    launcher may hand a one-rank job instead of starting one. A launcher that runs it
+    elsewhere (the sandbox) sets `starter`."""
 
-    def hand_over(self, go: dict[str, object]) -> subprocess.Popen[bytes] | None: ...
+    proc: subprocess.Popen[bytes] | None
+    starter: Callable[[dict[str, str], int], subprocess.Popen[bytes]]
+    view: Callable[[dict[str, str]], dict[str, str]]
+    cgroup: Any  # worker/cgroups.py TrainerCgroup | None: the slot's, set by its launcher
+
+    def hand_over(self, go: dict[str, object], log_path: Path) -> Any | None:
+        """worker/standby.py Handed (the process and its log pump), or None: start cold."""
+        ...
 
 
 @runtime_checkable
@@ -103,6 +123,18 @@ class Launcher(Protocol):
 
 
 LauncherFactory = Callable[[Settings, Standby | None], Launcher]
+
+
+def launcher_name(settings: Settings) -> str:
+    """TORCHYARD_SANDBOX=off: `local`; else `sandbox` (which runs built-in jobs as `local`
+    ones and refuses user code where the host cannot sandbox)."""
+    return "local" if settings.sandbox == "off" else "sandbox"
+
+
+def choose_launcher(settings: Settings, standby: Standby | None = None) -> Launcher:
+    """This slot's launcher, as the settings say. Make it once per slot, before its standby
+    starts: the launcher decides how the standby is started."""
+    return make_launcher(launcher_name(settings), settings, standby)
 
 
 def make_launcher(name: str, settings: Settings, standby: Standby | None = None) -> Launcher:

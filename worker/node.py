@@ -40,7 +40,9 @@ from torchyard.store.workers import (
     stop_accepting,
 )
 from torchyard.worker.identity import Device
+from torchyard.worker.launcher import choose_launcher
 from torchyard.worker.proc import slot_env
+from torchyard.worker.sandbox import say_sandbox
 from torchyard.worker.standby import WarmTrainer
 from torchyard.worker.supervisor import WorkerContext, run_assignment
 from torchyard.worker.watchdog import Watchdog
@@ -70,8 +72,12 @@ class WorkerNode:
         self.ctx.extra_env = self.watchdog.lease_env()
         if settings.warm_trainer:
             self.ctx.warm = WarmTrainer(
-                lambda: slot_env(settings, device.cuda_visible, self.ctx.extra_env)
+                lambda: slot_env(settings, device.cuda_visible, self.ctx.extra_env),
+                max_log_bytes=settings.max_log_bytes,
             )
+        # Made before the standby starts: the launcher decides how (inside the sandbox).
+        self.ctx.launcher = choose_launcher(settings, self.ctx.warm)
+        say_sandbox(settings)
         self.app = make_celery(settings)
         self._asked_register_at = -REREGISTER_EVERY_S
 
@@ -163,6 +169,7 @@ class WorkerNode:
         try:
             started = run_assignment(self.ctx, aid)
         finally:
+            self._end_stragglers()
             if self.ctx.warm is not None and not self.ctx.stopping.is_set():
                 self.ctx.warm.refill()  # the trainer is gone: its cores are free for the import
             if started:
@@ -176,6 +183,14 @@ class WorkerNode:
                 except Exception as e:  # the scheduler's reconciler frees it later
                     log.warning("could not release worker %s (%s)", self.worker_id, e)
                 wake_scheduler(self.settings)
+
+    def _end_stragglers(self) -> None:
+        """What the job's trainer left in the slot's cgroup (a daemonised child) ends with
+        its job; an idle standby (its own process group) is spared."""
+        cgroup = getattr(self.ctx.launcher, "cgroup", None)
+        if cgroup is not None:
+            warm = self.ctx.warm.proc if self.ctx.warm is not None else None
+            cgroup.kill_all(spare_groups=(warm.pid,) if warm is not None else ())
 
     def run(self) -> int:
         from celery import signals
@@ -199,6 +214,8 @@ class WorkerNode:
             self.ctx.stopping.set()
             if self.ctx.warm is not None:
                 self.ctx.warm.close()
+            if (cgroup := getattr(self.ctx.launcher, "cgroup", None)) is not None:
+                cgroup.close()
             self._hb_stop.set()
             hb.join(timeout=5)
             self.watchdog.stop()

@@ -3,17 +3,24 @@ processes). What an outcome does to the job is `store.lifecycle.finish_attempt`'
 
 Rules, first match wins:
 - cancel requested -> cancelled (succeeded still wins if the trainer finished first);
+- the run directory over TORCHYARD_MAX_RUN_DIR_BYTES (the worker measured it) -> failed
+  as `run_dir_full`, not retried: the job's own doing, whether or not it finished;
 - rank 0's `finished` (or exit 0) -> succeeded, even if the worker was stopping by then;
 - preempted for a higher-priority job (the supervisor stopped it) -> handed back;
 - the worker stopping, or stopping its trainer after losing the store -> handed back;
-- the job's storage full (exit 5, or an `error` of kind storage_full) -> handed back;
+- the job's storage full (exit 5, or an `error` of kind storage_full) -> handed back, but
+  only when the worker's own look (worker/runlimits.py) found the file system full: user
+  code can write that event or exit 5 itself, so without the worker's evidence it is an
+  ordinary failure (counted, retried);
 - an `error` event of kind peer_failed (another rank died first) -> lost, retried; the
   supervisor first lets the failed rank's worker decide with the real cause;
 - an `error` event -> failed with "kind: message" (nonfinite_loss, data, out_of_memory,
-  unsupported, user_code, init and spec are deterministic, so the job fails at once; other kinds
-  are retried). Every rank
+  unsupported, user_code, init, spec, model_too_large and run_dir_full are deterministic, so
+  the job fails at once; other kinds are retried). Every rank
   reports its own error, so a rank that fails alone is classified by its cause;
-- a SIGTERM from outside (a `stopped` event, exit 75) -> handed back;
+- the trainer stopped itself (a `stopped` event, exit 75) -> handed back when its lease
+  lapsed (the worker's own record: it could not vouch for it, e.g. frozen or cut off), else
+  an ordinary failure (counted, retried): user code can exit 75 too;
 - exit 2 (bad spec), 3 (nonfinite loss), 4 (out of memory) -> failed, not retried;
 - SIGKILL by the kernel's OOM killer -> failed as out_of_memory, not retried;
 - any other signal -> lost, retried from the latest checkpoint; any other code -> failed,
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from torchyard.contracts import exitcodes
+from torchyard.contracts.eventmodel import HOST_FAULT_KINDS
 from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
@@ -37,8 +45,9 @@ from torchyard.store.states import (
 )
 
 DETERMINISTIC_ERRORS = frozenset(
-    {"nonfinite_loss", "data", "out_of_memory", "unsupported", "user_code", "init", "spec"}
-)
+    {"nonfinite_loss", "data", "out_of_memory", "unsupported", "user_code", "init", "spec",
+     "model_too_large", "run_dir_full"}
+)  # fmt: skip
 
 # Why the worker itself stopped its trainer (None: it exited on its own).
 STOP_CANCEL, STOP_WORKER, STOP_STORE_LOST = "cancel", "stopping", "store_lost"
@@ -67,6 +76,19 @@ class Ending:
     last_step: int | None = None
     oom_killed: bool = False
     preempted_by: str | None = None
+    # The worker's own findings (worker/runlimits.py): the run directory over its limit,
+    # and what showed the file system full (None: it saw room, or did not look).
+    run_dir_full: str | None = None
+    storage_evidence: str | None = None
+    storage_seen: str = "room"  # what the worker saw instead, for the reason
+    # The worker's own record that the trainer's lease went stale while it ran (so a stop
+    # it did not ask for was the lease's doing, not the job's).
+    lease_lapsed: bool = False
+
+    def claims_storage_full(self) -> bool:
+        """The trainer says the host's storage is full: exit 5 or a `storage_full` error."""
+        kind = (self.error or {}).get("kind")
+        return self.rc == exitcodes.STORAGE_FULL or kind in HOST_FAULT_KINDS
 
 
 def describe_exit(code: int) -> str:
@@ -86,6 +108,9 @@ def decide(e: Ending) -> Decision | None:
         if e.rc == exitcodes.OK and e.finished:
             return Decision(A_SUCCEEDED, "finished before the cancel arrived", None, False)
         return Decision(A_CANCELLED, f"cancelled{step}", None, False)
+    if e.run_dir_full is not None:
+        msg = f"run_dir_full: {e.run_dir_full}{step}; the worker stopped the trainer"
+        return Decision(A_FAILED, msg, msg, False)
     # Rank 0's `finished` comes after the final checkpoint and weights are written: the job
     # is done even if torchrun's exit code says a rank stumbled while exiting, and even if
     # the worker began to stop after it.
@@ -106,35 +131,58 @@ def _handed_back(e: Ending, step: str) -> Decision | None:
     if e.stop_why == STOP_STORE_LOST:
         why = f"worker {e.worker_id} lost the store; trainer stopped{step} so that no other attempt overlaps it"
         return Decision(A_HANDED_BACK, why, None, False)
-    if e.rc == exitcodes.STORAGE_FULL or (e.error or {}).get("kind") == "storage_full":
+    if e.claims_storage_full() and e.storage_evidence is not None:
         # The worker's storage, not the job: retried when there is room, never counted.
-        detail = (e.error or {}).get("message") or "no space left on the job's storage"
-        why = f"storage full on worker {e.worker_id}{step}: {detail}"
+        detail = _message(e) or "no space left on the job's storage"
+        why = f"storage full on worker {e.worker_id}{step}: {detail} ({e.storage_evidence})"
         return Decision(A_HANDED_BACK, why, None, False)
     return None
 
 
+def _message(e: Ending) -> str:
+    """The error event's message, at most 4000 characters (as the trainer cuts it)."""
+    return str((e.error or {}).get("message") or "")[:4000]
+
+
+def _unproven_storage_full(e: Ending, step: str) -> Decision:
+    """The trainer says the storage is full, the worker saw room: the job's own failure."""
+    said = f"exit {e.rc}" if e.rc == exitcodes.STORAGE_FULL else "an error of kind storage_full"
+    msg = (
+        f"rank {e.rank} trainer reported a full storage ({said}{step}) but worker "
+        f"{e.worker_id} found {e.storage_seen} on the run directory's file system: counted "
+        f"as the job's failure. {_message(e)}"
+    ).strip()
+    return Decision(A_FAILED, msg, msg, True)
+
+
 def _trainer_ended(e: Ending, step: str) -> Decision:
     """How the trainer ended on its own: its error event first, then its exit status."""
+    if e.claims_storage_full():
+        return _unproven_storage_full(e, step)
     if e.error is not None:
         kind = str(e.error.get("kind", "internal"))
-        msg = f"{kind}: {e.error.get('message', '')}".strip()
+        msg = f"{kind}: {_message(e)}".strip()
         if e.rank != 0:
             msg = f"rank {e.rank}: {msg}"
         if kind == "peer_failed":
             return Decision(A_LOST, msg, None, True)
         return Decision(A_FAILED, msg, msg, kind not in DETERMINISTIC_ERRORS)
     if e.stopped or e.rc == exitcodes.PREEMPTED:
-        return Decision(
-            A_HANDED_BACK, f"trainer preempted by a SIGTERM from outside{step}", None, False
+        if e.lease_lapsed:
+            why = f"trainer stopped itself when its lease went stale{step}"
+            return Decision(A_HANDED_BACK, why, None, False)
+        msg = (
+            f"rank {e.rank} trainer stopped itself (exit {e.rc}){step} although neither the "
+            "worker nor its lease asked it to: counted as a failure"
         )
+        return Decision(A_FAILED, msg, msg, True)
     if e.rc == exitcodes.BAD_SPEC:
         msg = "the trainer refused the spec or its arguments (exit 2); see the job log"
         return Decision(A_FAILED, msg, msg, False)
     if e.rc in (exitcodes.NONFINITE_LOSS, exitcodes.OUT_OF_MEMORY):
         msg = f"{exitcodes.NAMES[e.rc]} (exit {e.rc}); see the job log"
         return Decision(A_FAILED, msg, msg, False)
-    if e.oom_killed and e.rc == -signal.SIGKILL:
+    if e.oom_killed and e.rc in (-signal.SIGKILL, 128 + signal.SIGKILL):  # 137: bwrap's way
         msg = (
             f"out_of_memory: rank {e.rank} trainer killed by the kernel's OOM killer{step}; "
             "use a smaller model or batch, or a host with more memory"

@@ -10,11 +10,15 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from torchyard.contracts.spec import SpecError, parse_spec
 from torchyard.settings import Settings
 
-# Secrets the trainer has no use for stay in the worker.
-_SCRUB = ("TORCHYARD_DATABASE_URL", "TORCHYARD_BROKER_URL")
+# Secrets the trainer has no use for stay in the worker: none of the worker's own TORCHYARD_*
+# settings (home, database, broker, tokens) reaches a trainer; the worker sets the ones a
+# trainer reads itself. The sandbox (worker/sandbox.py sandbox_env) passes an allow-list.
+_SCRUB_PREFIX = "TORCHYARD_"
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ def slot_env(
         attempt=attempt,
         collective_timeout_s=settings.collective_timeout_s,
     )
+    # The trainer refuses a bundle model past the API's limit as it builds it.
+    env["TORCHYARD_MAX_MODEL_PARAMS"] = str(settings.max_model_params)
     env.update(extra)
     return env
 
@@ -114,7 +120,7 @@ def trainer_env(
     attempt: int | None = None,
     collective_timeout_s: float | None = None,
 ) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIX)}
     if attempt is not None:
         # Stamped on every event, so a later attempt's supervisor can tell this trainer's
         # lines from its own in the job's shared events.jsonl.
@@ -134,7 +140,20 @@ def trainer_env(
 
 
 def free_port(host: str = "") -> int:
-    """A port the OS says is free now (never a hard-coded one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
+    """A port the OS says is free now on `host` (never a hard-coded one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:  # not an address of this host (a name, a NAT): any interface
+            s.close()
+            return free_port("") if host else 0
         return int(s.getsockname()[1])
+
+
+def runs_code(spec: dict[str, Any]) -> bool:
+    """Whether the job runs code its user named (a spec that does not parse: assume so)."""
+    try:
+        return parse_spec(spec).runs_code
+    except (SpecError, ValueError):
+        return True

@@ -3,9 +3,11 @@
 like a trainer, torch imported, nothing else initialised), so a one-rank job's first step
 does not wait for the interpreter and `import torch`.
 
-A job takes it (`hand_over`, called by the local launcher): the go message
-(worker/proc.py go_message) is written and its stdin closed, and from then on it is that
-job's trainer process, exactly as a cold one. The worker starts the next one (`refill`)
+A job takes it (`hand_over`, called by its launcher): its output, which went to the
+worker's stderr through a capped pipe (worker/logpump.py), now goes to the job's log, the
+go message (worker/proc.py go_message) is written and its stdin closed, and from then on it
+is that job's trainer process, exactly as a cold one. How it is started (a plain process,
+or inside the sandbox: worker/launch_sandbox.py) is its launcher's `starter`. The worker starts the next one (`refill`)
 when that job's trainer has exited, not beside it, so the import never competes with a
 running job for its cores. A standby that died idle (OOM, killed), or was started under
 another environment, is discarded and the job starts cold. Every start is from the
@@ -18,13 +20,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchyard.worker.launch_local import signal_group, spawn
+from torchyard.worker.logpump import LogPump
 from torchyard.worker.proc import standby_argv
+
+if TYPE_CHECKING:
+    from torchyard.worker.cgroups import TrainerCgroup
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +41,50 @@ log = logging.getLogger(__name__)
 # rest (threads, pin, data root) is read at import or start, so it must already be right.
 PER_JOB_ENV = frozenset({"TORCHYARD_ATTEMPT"})
 CLOSE_WAIT_S = 5.0  # a standby told to stop (EOF) exits at once, or as soon as imports end
+DEFAULT_LOG_BYTES = 256 * 1024**2
+
+# Starts a standby: (its environment, the write end of its output pipe) -> the process.
+Starter = Callable[[dict[str, str], int], "subprocess.Popen[bytes]"]
+
+
+@dataclass
+class Handed:
+    """A standby that took its job: the process, and the pump writing its output."""
+
+    proc: subprocess.Popen[bytes]
+    pump: LogPump
 
 
 class WarmTrainer:
     """This slot's one standby trainer. Not thread-safe: the worker's main thread only."""
 
-    def __init__(self, env: Callable[[], dict[str, str]], cwd: Path | None = None):
+    def __init__(
+        self,
+        env: Callable[[], dict[str, str]],
+        cwd: Path | None = None,
+        max_log_bytes: int = DEFAULT_LOG_BYTES,
+    ):
         self._env_for = env  # the slot's trainer environment, without the per-job part
         self._cwd = cwd or Path.cwd()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.pump: LogPump | None = None
         self._env: dict[str, str] = {}
+        self._max_log = max_log_bytes
+        self.starter: Starter = self._plain  # a launcher may set its own (the sandbox's)
+        # The environment as its launcher passes it on (the sandbox's allow-list): what a
+        # job's go message is compared with.
+        self.view: Callable[[dict[str, str]], dict[str, str]] = dict
+        self.cgroup: TrainerCgroup | None = None  # the slot's memory cgroup (its launcher's)
+
+    def _plain(self, env: dict[str, str], out_fd: int) -> subprocess.Popen[bytes]:
+        return spawn(
+            standby_argv(),
+            env=env,
+            cwd=self._cwd,
+            log_fd=out_fd,
+            stdin=subprocess.PIPE,
+            cgroup=self.cgroup,
+        )
 
     def refill(self) -> None:
         """Start a standby if there is no live one. Failure only costs the next job the cold
@@ -56,22 +99,27 @@ class WarmTrainer:
             )
             self.proc = None
         env = self._env_for()
+        r, w = os.pipe()
         try:
             # Its output goes to the worker's stderr until it takes a job's log.
-            self.proc = spawn(
-                standby_argv(), env=env, cwd=self._cwd, log_fd=2, stdin=subprocess.PIPE
-            )
+            self.proc = self.starter(env, w)
         except OSError as e:
+            os.close(r)
             log.warning("could not start a warm trainer (%s); jobs start cold", e)
             return
-        self._env = env
+        finally:
+            os.close(w)
+        self.pump = LogPump(r, self._max_log)
+        self._env = self.view(env)
         log.info("warm trainer %d started", self.proc.pid)
 
-    def hand_over(self, go: dict[str, object]) -> subprocess.Popen[bytes] | None:
-        """The standby, now running the job `go` describes; None when there is none ready
-        (the caller starts the trainer cold). The standby is this job's from here on."""
+    def hand_over(self, go: dict[str, object], log_path: Path) -> Handed | None:
+        """The standby, now running the job `go` describes with its output in `log_path`;
+        None when there is none ready (the caller starts the trainer cold). The standby is
+        this job's from here on."""
         proc, self.proc = self.proc, None
-        if proc is None:
+        pump, self.pump = self.pump, None
+        if proc is None or pump is None:
             return None
         if proc.poll() is not None:
             log.warning("warm trainer %d had exited (%s); cold start", proc.pid, proc.returncode)
@@ -82,13 +130,14 @@ class WarmTrainer:
             return None
         assert proc.stdin is not None
         try:
-            proc.stdin.write(json.dumps(go).encode() + b"\n")
+            pump.retarget(log_path)
+            proc.stdin.write(json.dumps({**go, "log": ""}).encode() + b"\n")
             proc.stdin.close()
-        except OSError as e:  # it died between the poll and the write
+        except OSError as e:  # it died between the poll and the write, or no log
             log.warning("warm trainer %d did not take its job (%s); cold start", proc.pid, e)
             _kill(proc)
             return None
-        return proc
+        return Handed(proc, pump)
 
     def close(self) -> None:
         """The worker is stopping: end of input makes the standby exit 0; reap it."""

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -61,17 +62,25 @@ from torchyard.store.attempts import (
 )
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced
+from torchyard.store.metrics import metric_names
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE
 from torchyard.store.states import CANCELLING
-from torchyard.worker.events import EventRecorder, EventTail, end_torn_line_at, last_rank_event
+from torchyard.worker.events import (
+    TAIL_BATCH,
+    EventRecorder,
+    EventTail,
+    end_torn_line_at,
+    event_limits,
+    last_rank_event,
+)
 from torchyard.worker.identity import Device, is_loopback
 from torchyard.worker.inputs import InputError, code_dir, init_file, init_source
 from torchyard.worker.launcher import (
-    DEFAULT_LAUNCHER,
     Launcher,
     LaunchRequest,
+    SandboxRefused,
     TrainerHandle,
-    make_launcher,
+    choose_launcher,
 )
 from torchyard.worker.outcome import (
     STOP_CANCEL,
@@ -83,8 +92,9 @@ from torchyard.worker.outcome import (
     decide,
     describe_exit,
 )
-from torchyard.worker.proc import Launch, free_port, slot_env, trainer_argv
+from torchyard.worker.proc import Launch, free_port, runs_code, slot_env, trainer_argv
 from torchyard.worker.runfiles import append_to_log, file_size, write_spec_file
+from torchyard.worker.runlimits import free_description, run_dir_over, storage_evidence
 from torchyard.worker.standby import WarmTrainer
 
 log = logging.getLogger(__name__)
@@ -94,6 +104,9 @@ STATE_POLL_S = 0.5  # job/attempt state in the store (cancel seen well within 2 
 FLUSH_S = 0.5
 FLUSH_EVENTS = 500
 STOP_GRACE_MIN_S = 30.0  # a stopping worker gives its trainer this long to checkpoint
+# A stopping worker gives up on the store this long after it saw its SIGTERM (the attempt
+# is then the reaper's): within `torchyard up`'s 45 s, however ingest or the store fails.
+STOP_DEADLINE_S = 40.0
 PEER_DECIDES_S = 5.0  # a failed non-zero rank lets rank 0 (which has the events) decide first
 RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S = 0.2, 5.0
 # What a store outage raises. Anything else is a bug: it propagates (the worker releases
@@ -120,26 +133,48 @@ class WorkerContext:
     store_ok_at: float = field(default_factory=time.monotonic)
     # monotonic time the supervision loop last went round (None: not supervising)
     loop_beat: float | None = None
+    # the watchdog's lease refreshes (monotonic): the last, and the longest gap since the
+    # current trainer's launch (worker/outcome.py: a stop the worker did not ask for)
+    lease_at: float | None = None
+    lease_gap: float = 0.0
     # the running trainer (its launcher's handle), which the watchdog may stop
     trainer: TrainerHandle | None = None
     # set by the watchdog when it stopped the trainer because the store was out of reach
     store_lost_stop: threading.Event = field(default_factory=threading.Event)
+    # the running trainer's run dir, which the watchdog measures (None: not supervising);
+    # what it found: the run dir over TORCHYARD_MAX_RUN_DIR_BYTES (it stopped the trainer),
+    # and when it last saw the run dir's file system (nearly) full (monotonic time)
+    watch_dir: Path | None = None
+    run_dir_full: str | None = None
+    low_space_at: float | None = None
     # added to the trainer's environment (the watchdog's lease)
     extra_env: dict[str, str] = field(default_factory=dict)
     # this slot's warm trainer, taken by a one-rank launch (None: every trainer starts cold)
     warm: WarmTrainer | None = None
-    # how this slot starts trainers; None: the default launcher, by name (worker/launcher.py)
+    # how this slot starts trainers; None: made on first use, as the settings say
+    # (worker/launcher.py choose_launcher), and kept: it owns the slot's sandbox folders
     launcher: Launcher | None = None
 
     def store_ok(self) -> None:
         self.store_ok_at = time.monotonic()
 
+    def lease_refreshed(self, now: float) -> None:
+        """The watchdog refreshed the trainer's lease: keep the longest gap between two."""
+        if self.lease_at is not None:
+            self.lease_gap = max(self.lease_gap, now - self.lease_at)
+        self.lease_at = now
+
+    def lease_lapsed_since(self, start: float, stop_after_s: float) -> bool:
+        """Whether the lease went as stale as the trainer stops at, since `start`."""
+        now = time.monotonic()
+        last = self.lease_at if self.lease_at is not None else start
+        return self.lease_gap >= stop_after_s or now - max(last, start) >= stop_after_s
+
     def trainer_launcher(self) -> Launcher:
-        """The launcher set on this context, else the default one over the slot's warm
-        trainer (made at each use, so it sees the warm trainer the worker has now)."""
-        if self.launcher is not None:
-            return self.launcher
-        return make_launcher(DEFAULT_LAUNCHER, self.settings, self.warm)
+        """This slot's launcher (made once, over the slot's warm trainer)."""
+        if self.launcher is None:
+            self.launcher = choose_launcher(self.settings, self.warm)
+        return self.launcher
 
 
 def retry_until(
@@ -199,8 +234,12 @@ class Supervision:
         # through the storage; the run dir is the local folder this host's trainer writes.
         self.storage = storage_for(ctx.settings)
         self.run_dir = run_dir(ctx.settings, c.job_id)
+        self.launched_at = time.monotonic()
         self.events_path = self.run_dir / EVENTS_FILE
-        self.recorder = EventRecorder(c.job_id, c.attempt_id, c.attempt_number)
+        self.recorder = EventRecorder(
+            c.job_id, c.attempt_id, c.attempt_number, limits=event_limits(ctx.settings)
+        )
+        self._stopping_at: float | None = None  # when this supervisor saw the worker stop
         self.trainer: TrainerHandle | None = None
         self.stop_why: str | None = None
         self.preempted_by: str | None = None  # the job this attempt was stopped for
@@ -229,13 +268,23 @@ class Supervision:
         events = job_key(self.c.job_id, EVENTS_FILE)
         end_torn_line_at(self.storage, events)
         start = self._tx(lambda s: ingest_start(s, self.c.job_id))
-        backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None)
-        tail = EventTail.open(self.storage, events, start)
+        rec = self.recorder
+        # The job's names so far (one more than it may hold tells it is full), shared.
+        top = rec.limits.metric_names + 1
+        rec.names.update(self._tx(lambda s: metric_names(s, self.c.job_id, limit=top)))
+        backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None, limits=rec.limits,
+                                names=rec.names, set_aside=rec.set_aside)  # fmt: skip
+        tail = EventTail.open(self.storage, events, start, rec.limits.line_bytes)
+        n = 0
         try:
-            n = backlog.add_all(tail, final=True)
+            while True:  # in bounded batches, each committed with its offset
+                n += backlog.add_all(tail, final=True, limit=TAIL_BATCH)
+                backlog.commit(self._tx)
+                self._log_set_aside()
+                if tail.drained:
+                    break
         finally:
             tail.close()
-        self._tx(backlog.write)
         if n:
             log.info("job %s: ingested %d events left by earlier attempts", self.c.job_id, n)
         return tail.offset
@@ -248,7 +297,7 @@ class Supervision:
         if self.c.world_size == 1:
             return Rendezvous(None, resumed_from)
         if self.c.rank == 0:
-            addr, port = self.ctx.advertise_addr, free_port()
+            addr, port = self.ctx.advertise_addr, free_port(self.ctx.advertise_addr)
             if is_loopback(addr):
                 hosts = self._tx(lambda s: attempt_hosts(s, self.c.attempt_id))
                 if len(hosts) > 1:
@@ -303,6 +352,8 @@ class Supervision:
             f"{self.c.world_size}, worker {self.ctx.worker_id}, {now}, {how} =====\n"
         )
         request = self._request(p)
+        self.launched_at = time.monotonic()
+        self.ctx.lease_gap = 0.0
         self.tail = EventTail(self.events_path, p.events_start)
         self.recorder.offset = p.events_start
         if self.c.rank != 0:
@@ -354,6 +405,8 @@ class Supervision:
             cwd=self.run_dir,
             log_path=self.run_dir / LOG_FILE,
             warm_ok=launch.world_size == 1,
+            max_log_bytes=self.ctx.settings.max_log_bytes,
+            runs_code=runs_code(self.c.spec),
         )
 
     # ---- supervision --------------------------------------------------------------------
@@ -363,12 +416,17 @@ class Supervision:
         if self.fenced or not self.recorder.pending:
             return
         try:
-            self._tx(self.recorder.write)
-            self.recorder.clear()
+            self.recorder.commit(self._tx)
         except Fenced:
             self._fence_hit()
         except Exception as e:
             log.warning("event flush failed (%s); kept, will retry", e)
+        self._log_set_aside()
+
+    def _log_set_aside(self) -> None:
+        """What the recorder set aside since the last look, into the job log."""
+        for line in self.recorder.set_aside.take_log_lines():
+            self._log_line(line)
 
     def _fence_hit(self) -> None:
         """Someone else ended this attempt (the reaper, another rank): the job may already
@@ -419,12 +477,15 @@ class Supervision:
         rank0 = self.c.rank == 0
         kill_at: float | None = None
         last_poll = last_flush = time.monotonic()
+        self.tail.max_line = self.recorder.limits.line_bytes
+        self.ctx.run_dir_full, self.ctx.low_space_at = None, None
+        self.ctx.watch_dir = self.run_dir  # the watchdog measures it from now on
         while True:
             now = time.monotonic()
             self.ctx.loop_beat = now
             rc = trainer.poll()
             if rank0:
-                self.recorder.add_all(self.tail)
+                self.recorder.add_all(self.tail, limit=TAIL_BATCH)
                 if self.recorder.pending and (
                     now - last_flush >= FLUSH_S or self.recorder.pending >= FLUSH_EVENTS
                 ):
@@ -439,6 +500,8 @@ class Supervision:
                 self.stop_why = STOP_STORE_LOST  # the watchdog signals the trainer itself
             if self.stop_why is None and not self.fenced and self.ctx.stopping.is_set():
                 grace = max(self.ctx.settings.cancel_grace_s, STOP_GRACE_MIN_S)
+                grace = min(grace, STOP_DEADLINE_S - 5)  # its end recorded within the deadline
+                self._stopping_at = self._stopping_at or now
                 kill_at = self._stop("worker stopping", signal.SIGTERM, grace)
                 self.stop_why = STOP_WORKER
             if kill_at is not None and now >= kill_at:
@@ -451,19 +514,55 @@ class Supervision:
         self.ctx.loop_beat = None
         # Whatever the trainer left in its group (torchrun ranks, loader workers) goes too.
         trainer.kill()
+        self.ctx.watch_dir = None
         if rank0:
-            self.recorder.add_all(self.tail, final=True)
-            self.tail.close()
-            if not self.fenced:
-                retry_until("recording the trainer's last events", self._flush_or_raise)
+            try:
+                self._retry_drain()
+            finally:
+                self.tail.close()
         return rc
 
     def _flush_or_raise(self) -> None:
         try:
-            self._tx(self.recorder.write)
-            self.recorder.clear()
+            self.recorder.commit(self._tx)
         except Fenced:
             self.fenced = True
+        self._log_set_aside()
+
+    def _past_stop_deadline(self) -> bool:
+        """The worker is stopping and STOP_DEADLINE_S have passed since this supervisor
+        first saw it: store writes are given up (what is unwritten stays in events.jsonl
+        past the committed offset, for the next supervisor; the reaper ends the attempt)."""
+        if not self.ctx.stopping.is_set():
+            return False
+        if self._stopping_at is None:
+            self._stopping_at = time.monotonic()
+        return time.monotonic() - self._stopping_at > STOP_DEADLINE_S
+
+    def _drain(self) -> None:
+        """Rank 0, after its trainer's exit: every line it left, in bounded batches."""
+        while not self.fenced:
+            self.recorder.add_all(self.tail, final=True, limit=TAIL_BATCH)
+            retry_until(
+                "recording the trainer's last events",
+                self._flush_or_raise,
+                give_up=self._past_stop_deadline,
+            )
+            if self.tail.drained:
+                break
+
+    def _retry_drain(self) -> None:
+        try:
+            self._drain()
+        except TRANSIENT as e:
+            if not self._past_stop_deadline():
+                raise
+            log.warning(
+                "job %s: worker stopping; its trainer's last events stay unrecorded (%s): "
+                "the next attempt ingests them",
+                self.c.job_id,
+                e,
+            )
 
     # ---- the end ------------------------------------------------------------------------
 
@@ -471,7 +570,14 @@ class Supervision:
         o = self.recorder.outcome
         if self.fenced:
             return None
-        job_state, att_state, _ = retry_until("reading the job state", self._poll_store)
+        try:
+            job_state, att_state, _ = retry_until(
+                "reading the job state", self._poll_store, give_up=self._past_stop_deadline
+            )
+        except TRANSIENT:
+            if not self._past_stop_deadline():
+                raise
+            return None  # the store is out of reach past the stop deadline: the reaper's
         if att_state not in ATTEMPT_ACTIVE:
             return None
         if self.ctx.store_lost_stop.is_set() and self.stop_why is None:
@@ -495,8 +601,9 @@ class Supervision:
             last_step=o.last_step,
             oom_killed=oom_killed,
             preempted_by=self.preempted_by,
+            lease_lapsed=self.ctx.lease_lapsed_since(self.launched_at, self._lease_stop_s()),
         )
-        decision = decide(ending)
+        decision = decide(self._with_evidence(ending))
         if decision is not None and self.stop_why is None and peer_decides_first(ending, decision):
             # Another rank has the real cause (a rank whose peer died reports only that;
             # a rank that left no report of its own defers to rank 0): let it decide first.
@@ -507,7 +614,23 @@ class Supervision:
                 time.sleep(0.2)
         return decision
 
+    def _with_evidence(self, e: Ending) -> Ending:
+        """The ending with what the worker itself found in the run directory: over its size
+        limit (the watchdog's look, or one now), and, where the trainer blames the storage,
+        whether the file system is full."""
+        limit = self.ctx.settings.max_run_dir_bytes
+        over = self.ctx.run_dir_full or run_dir_over(self.run_dir, limit)
+        evidence, seen = None, "room"
+        if e.claims_storage_full():
+            evidence = storage_evidence(self.run_dir, self.ctx.low_space_at)
+            seen = free_description(self.run_dir)
+        return replace(e, run_dir_full=over, storage_evidence=evidence, storage_seen=seen)
+
     def finish(self, rc: int | None, decision: Decision | None) -> str | None:
+        summary = self.recorder.set_aside.summary()
+        if decision is not None and summary is not None:
+            decision = decision._replace(reason=f"{decision.reason}; {summary}")
+
         def tx(s: Any) -> str | None:
             end_assignment(s, self.c.assignment_id, rc)
             if decision is None:
@@ -522,7 +645,22 @@ class Supervision:
                 retryable=decision.retryable,
             )
 
-        state = retry_until("recording the attempt's end", lambda: self._tx(tx))
+        try:
+            state = retry_until(
+                "recording the attempt's end",
+                lambda: self._tx(tx),
+                give_up=self._past_stop_deadline,
+            )
+        except TRANSIENT as e:
+            if not self._past_stop_deadline():
+                raise
+            log.warning(
+                "job %s: worker stopping and the store out of reach (%s): the attempt's end "
+                "is left to the reaper",
+                self.c.job_id,
+                e,
+            )
+            return None
         if decision is not None:
             log.info(
                 "job %s attempt %d rank %d: %s (%s) -> job %s",
@@ -559,8 +697,13 @@ class Supervision:
             init = init_file(self.ctx.settings, row)
         return Prepared(spec_path, resume, rdv.master, start, code, init)
 
+    def _lease_stop_s(self) -> float:
+        """How stale the trainer's lease gets before it stops itself (no lease: never)."""
+        raw = self.ctx.extra_env.get("TORCHYARD_LEASE_STOP_S")
+        return float(raw) if raw else math.inf
+
     def _launch_failed(self, e: Exception) -> Decision:
-        if isinstance(e, InputError):  # the job's bundle or init: the same next time
+        if isinstance(e, InputError | SandboxRefused):  # the same next time
             return Decision(A_FAILED, str(e), str(e), False)
         if isinstance(e, BadEndpoint | StorageNotShared):  # the workers' setup: counted, retried
             return Decision(A_FAILED, str(e), str(e), True)

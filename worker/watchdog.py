@@ -18,6 +18,14 @@ come every interval < T/3):
 - the watchdog's own SIGTERM comes at 0.4 T and SIGKILL at 0.6 T of store silence.
 So the old trainer is gone before T - interval (> 0.66 T), before anyone can start the
 job again.
+
+A second thread of the watchdog, the disk watch, looks at the running trainer's run
+directory every DISK_EVERY_S (longer when a look is slow: never more than a tenth of its
+time): over TORCHYARD_MAX_RUN_DIR_BYTES it kills the trainer and records why
+(`ctx.run_dir_full`: the job fails as `run_dir_full`); a full file system is noted
+(`ctx.low_space_at`), the worker's own evidence when a trainer blames the storage
+(worker/runlimits.py). It is a thread of its own so that a slow walk of a big tree never
+delays a lease refresh.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from torchyard.worker.runlimits import low_space, run_dir_over
 from torchyard.worker.supervisor import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -37,6 +46,7 @@ log = logging.getLogger(__name__)
 VOUCH, LEASE_STOP, LEASE_KILL = 0.25, 0.15, 0.35
 TERM_AT, KILL_AT = 0.4, 0.6
 TICK_S = 0.1
+DISK_EVERY_S = 2.0
 
 
 class Watchdog:
@@ -51,6 +61,7 @@ class Watchdog:
         self.lease_file.touch()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
+        self._disk = threading.Thread(target=self._disk_loop, name="diskwatch", daemon=True)
 
     def lease_env(self) -> dict[str, str]:
         """What the trainer needs to watch its lease."""
@@ -72,6 +83,7 @@ class Watchdog:
         if self.vouches(now):
             with contextlib.suppress(OSError):
                 os.utime(self.lease_file)
+            self.ctx.lease_refreshed(now)
             return
         trainer = self.ctx.trainer  # the launcher's handle (worker/launcher.py)
         if trainer is None or trainer.poll() is not None:
@@ -89,6 +101,30 @@ class Watchdog:
             self.ctx.store_lost_stop.set()
             trainer.terminate()
 
+    def check_disk(self) -> float:
+        """One look at the running trainer's run directory (see the module's docstring);
+        returns how long it took."""
+        t0 = time.monotonic()
+        run_dir, trainer = self.ctx.watch_dir, self.ctx.trainer
+        if run_dir is None or trainer is None or trainer.poll() is not None:
+            return 0.0
+        if low_space(run_dir) is not None:
+            self.ctx.low_space_at = time.monotonic()
+        over = run_dir_over(run_dir, self.ctx.settings.max_run_dir_bytes)
+        if over is not None and self.ctx.run_dir_full is None:
+            log.warning("diskwatch: %s; SIGKILL trainer", over)
+            self.ctx.run_dir_full = over
+            trainer.kill()
+        return time.monotonic() - t0
+
+    def _disk_loop(self) -> None:
+        wait = DISK_EVERY_S
+        while not self._stop.wait(wait):
+            try:
+                wait = max(DISK_EVERY_S, 10 * self.check_disk())
+            except Exception:  # never let the disk watch die
+                log.exception("disk watch failed")
+
     def _loop(self) -> None:
         while not self._stop.wait(TICK_S):
             try:
@@ -98,11 +134,13 @@ class Watchdog:
 
     def start(self) -> None:
         self._thread.start()
+        self._disk.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
+        for t in (self._thread, self._disk):
+            if t.is_alive():
+                t.join(timeout=2)
         with contextlib.suppress(OSError):
             self.lease_file.unlink()
             self._dir.rmdir()

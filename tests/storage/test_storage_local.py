@@ -1,5 +1,5 @@
-"""What the local backend promises beyond the contract: a key never resolves out of its
-scope through a symlink, writes are atomic renames that leave no temporary file, a move
+"""What the local backend promises beyond the contract: a key never goes through a symlink
+(out of its scope or not), writes are atomic renames that leave no temporary file, a move
 into storage is a rename (no copy), and the run directory is the job's folder itself."""
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def test_symlinks_out_of_a_keys_scope_are_refused(storage: LocalStorage, tmp_pat
         with pytest.raises(UnsafePath):
             storage.write_bytes(job_key(JOB, rel), b"overwrite")
     assert secret.read_bytes() == b"top secret"
-    assert storage.read_range(job_key(JOB, "checkpoints/inside.pt"), 0, 9) == (b"mine", 4)
+    # A link is refused even when it stays inside the job's folder: nothing follows links.
+    with pytest.raises(UnsafePath):
+        storage.read_range(job_key(JOB, "checkpoints/inside.pt"), 0, 9)
+    assert storage.read_range(job_key(JOB, "checkpoints/real.pt"), 0, 9) == (b"mine", 4)
     bundles = storage.root / "bundles"
     bundles.mkdir()
     (bundles / f"{'c' * 64}.tar.gz").symlink_to(secret)

@@ -298,8 +298,11 @@ def test_permission_and_a_hostile_archive_over_rest(
         granted = create_token(s, "coder", can_run_code=True)
     bid = sdk.submit(dict(SCRIPT_SPEC, name="ok"), code=bundle)["spec"]["code"]["bundle"]
     headers = {"Authorization": f"Bearer {plain}"}
+    gz = {"Content-Type": "application/gzip"}
+    r = cluster.http.post("/v1/bundles", content=tar_gz({"ok.py": b""}), headers=headers | gz)
+    assert r.status_code == 403  # uploading code is the code permission's too
     r = cluster.http.post("/v1/bundles", content=tar_gz({"ok.py": b""}),
-                          headers=headers | {"Content-Type": "application/gzip"})  # fmt: skip
+                          headers={"Authorization": f"Bearer {granted}"} | gz)  # fmt: skip
     assert r.status_code == 201
     spec = dict(SCRIPT_SPEC, code={"bundle": r.json()["id"]}, entrypoint={"script": "ok.py"})
     r = cluster.http.post("/v1/jobs", json=spec, headers=headers)

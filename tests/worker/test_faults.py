@@ -295,10 +295,21 @@ def test_outcomes_for_faults() -> None:
     # Stopped because the store was out of reach: handed back, not counted.
     cut = decide(Ending(rc=75, stop_why=STOP_STORE_LOST, stopped=True, **base))  # type: ignore[arg-type]
     assert cut is not None and cut.outcome == "handed_back"
-    # A full disk is the storage's fault, not the job's: retried, never counted.
+    # Stopped on its own when its lease went stale (a frozen worker): handed back too.
+    lapsed = decide(Ending(rc=75, stop_why=None, stopped=True, lease_lapsed=True, **base))  # type: ignore[arg-type]
+    assert lapsed is not None and lapsed.outcome == "handed_back"
+    # Exit 75 with nobody asking (user code can exit 75): a counted failure, retried.
+    forged = decide(Ending(rc=75, stop_why=None, stopped=True, **base))  # type: ignore[arg-type]
+    assert forged is not None and (forged.outcome, forged.retryable) == ("failed", True)
+    # A full disk is the storage's fault, not the job's: retried, never counted; but only
+    # when the worker saw it full itself (user code can exit 5 too: tests/worker/
+    # test_hostile_events.py).
+    seen = {"storage_evidence": "the worker found 0.0 MiB free of 0.2 MiB"}
     for full in (
-        Ending(rc=5, stop_why=None, **base),  # type: ignore[arg-type]
-        Ending(rc=1, stop_why=None, error={"kind": "storage_full", "message": "ENOSPC"}, **base),  # type: ignore[arg-type]
+        Ending(rc=5, stop_why=None, **seen, **base),  # type: ignore[arg-type]
+        Ending(
+            rc=1, stop_why=None, error={"kind": "storage_full", "message": "ENOSPC"}, **seen, **base
+        ),  # type: ignore[arg-type]
     ):
         d = decide(full)
         assert d is not None and d.outcome == "handed_back" and "storage full" in d.reason

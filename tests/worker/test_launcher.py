@@ -6,6 +6,7 @@ appends output to the log, and hands a one-rank job to a standby only when allow
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from torchyard.store.models import Assignment, Attempt, Job, Metric
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
 from torchyard.worker.identity import Device
 from torchyard.worker.launch_local import LocalLauncher, LocalTrainer
+from torchyard.worker.launch_sandbox import SandboxLauncher
 from torchyard.worker.launcher import (
     DEFAULT_LAUNCHER,
     LAUNCHERS,
@@ -34,7 +36,9 @@ from torchyard.worker.launcher import (
     TrainerHandle,
     make_launcher,
 )
+from torchyard.worker.logpump import LogPump
 from torchyard.worker.proc import Launch
+from torchyard.worker.standby import Handed
 from torchyard.worker.supervisor import WorkerContext, run_assignment
 
 CPU = Device("cpu", None, "cpu", None)
@@ -164,13 +168,16 @@ def test_a_cancel_reaches_the_trainer_through_its_handle(sqlite_url: str, tmp_pa
         assert (att.state, att.exit_code) == ("cancelled", -signal.SIGTERM)
 
 
-def test_the_registry_names_the_local_launcher(tmp_path: Path) -> None:
+def test_the_registry_names_both_launchers_and_the_setting_picks_one(tmp_path: Path) -> None:
     settings = _settings(f"sqlite:///{tmp_path / 'x.db'}", tmp_path)
     assert DEFAULT_LAUNCHER in LAUNCHERS
-    launcher = make_launcher(DEFAULT_LAUNCHER, settings)
-    assert isinstance(launcher, LocalLauncher) and isinstance(launcher, Launcher)
+    local = make_launcher("local", settings)
+    assert isinstance(local, LocalLauncher) and isinstance(local, Launcher)
     ctx = WorkerContext(settings, "w1", CPU, "127.0.0.1")
-    assert isinstance(ctx.trainer_launcher(), LocalLauncher)
+    assert isinstance(ctx.trainer_launcher(), SandboxLauncher)  # the default
+    assert ctx.trainer_launcher() is ctx.trainer_launcher()  # one per slot
+    off = WorkerContext(settings.model_copy(update={"sandbox": "off"}), "w1", CPU, "127.0.0.1")
+    assert isinstance(off.trainer_launcher(), LocalLauncher)
     with pytest.raises(ValueError, match="unknown launcher 'nope'"):
         make_launcher("nope", settings)
 
@@ -229,10 +236,16 @@ class _Standby:
     def __init__(self, proc: subprocess.Popen[bytes] | None):
         self.proc = proc
         self.given: list[dict[str, object]] = []
+        self.logs: list[Path] = []
 
-    def hand_over(self, go: dict[str, object]) -> subprocess.Popen[bytes] | None:
+    def hand_over(self, go: dict[str, object], log_path: Path) -> Handed | None:
         self.given.append(go)
-        return self.proc
+        self.logs.append(log_path)
+        if self.proc is None:
+            return None
+        r, w = os.pipe()
+        os.close(w)
+        return Handed(self.proc, LogPump(r, 1000))
 
 
 def test_a_standby_takes_only_a_job_it_may_take(tmp_path: Path) -> None:
@@ -244,8 +257,6 @@ def test_a_standby_takes_only_a_job_it_may_take(tmp_path: Path) -> None:
     t = launcher.start(_request(tmp_path, "raise SystemExit(7)", warm_ok=True))
     assert t.pid == warm.pid and t.wait(timeout=30) == 0
     (go,) = standby.given
-    assert go["log"] == str((tmp_path / LOG_FILE).absolute()) and go["env"] == {
-        "PATH": "/usr/bin:/bin"
-    }
+    assert standby.logs == [tmp_path / LOG_FILE] and go["env"] == {"PATH": "/usr/bin:/bin"}
     empty = LocalLauncher(_Standby(None))  # none ready: a cold start
     assert empty.start(_request(tmp_path, "raise SystemExit(7)", warm_ok=True)).wait(30) == 7

@@ -28,6 +28,7 @@ from torchyard.store.models import Assignment, Attempt, Job
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
 from torchyard.worker.identity import Device
 from torchyard.worker.launch_local import signal_group, spawn
+from torchyard.worker.launcher import Launcher, choose_launcher
 from torchyard.worker.proc import Launch, go_message, slot_env, standby_argv
 from torchyard.worker.standby import WarmTrainer
 from torchyard.worker.supervisor import WorkerContext, run_assignment
@@ -48,7 +49,13 @@ def _warm(settings: Settings) -> WarmTrainer:
     return WarmTrainer(lambda: slot_env(settings, CPU.cuda_visible, {}))
 
 
-def _run_job(settings: Settings, db_url: str, wid: str, warm: WarmTrainer | None) -> dict:
+def _run_job(
+    settings: Settings,
+    db_url: str,
+    wid: str,
+    warm: WarmTrainer | None,
+    launcher: Launcher | None = None,
+) -> dict:
     """Schedule one digits job onto worker `wid` and run it to its end here."""
     with session_scope(db_url) as s:
         make_worker(s, wid)
@@ -56,7 +63,9 @@ def _run_job(settings: Settings, db_url: str, wid: str, warm: WarmTrainer | None
         (d,) = schedule(s, heartbeat_timeout_s=10)
         job_id = job.id
     pids: list[int] = []
-    ctx = WorkerContext(settings, wid, CPU, "127.0.0.1", on_launch=pids.append, warm=warm)
+    ctx = WorkerContext(
+        settings, wid, CPU, "127.0.0.1", on_launch=pids.append, warm=warm, launcher=launcher
+    )
     assert run_assignment(ctx, d.assignment_id)
     with session_scope(db_url) as s:
         att = s.scalars(select(Attempt).where(Attempt.job_id == job_id)).one()
@@ -82,11 +91,12 @@ def test_a_job_on_the_warm_trainer_ends_exactly_as_on_a_cold_one(
 ) -> None:
     settings = _settings(sqlite_url, tmp_path)
     warm = _warm(settings)
+    launcher = choose_launcher(settings, warm)  # before the standby starts: it says how
     warm.refill()
     assert warm.proc is not None
     standby_pid = warm.proc.pid
     try:
-        w = _run_job(settings, sqlite_url, "w1", warm)
+        w = _run_job(settings, sqlite_url, "w1", warm, launcher)
     finally:
         warm.close()
     c = _run_job(settings, sqlite_url, "w2", None)
@@ -168,7 +178,7 @@ def test_a_standby_started_for_another_environment_is_not_used(
     launch = Launch(spec_path=tmp_path / "spec.json", run_dir=tmp_path)
     env = slot_env(settings, CPU.cuda_visible, {}, attempt=1)
     env["OMP_NUM_THREADS"] = "7"  # read at import: the standby's would be wrong
-    assert warm.hand_over(go_message(launch, env, tmp_path / LOG_FILE)) is None
+    assert warm.hand_over(go_message(launch, env, tmp_path / LOG_FILE), tmp_path / LOG_FILE) is None
     assert proc.returncode is not None and warm.proc is None
 
 
@@ -183,8 +193,11 @@ def test_sigterm_to_the_group_during_a_warm_job_checkpoints(
     warm = _warm(settings)
     warm.refill()
     env = slot_env(settings, CPU.cuda_visible, {}, attempt=1)
-    proc = warm.hand_over(go_message(Launch(spec, run_dir), env, run_dir / LOG_FILE))
-    assert proc is not None
+    handed = warm.hand_over(
+        go_message(Launch(spec, run_dir), env, run_dir / LOG_FILE), run_dir / LOG_FILE
+    )
+    assert handed is not None
+    proc = handed.proc
     try:
         events = run_dir / EVENTS_FILE
         deadline = time.monotonic() + 120

@@ -67,8 +67,10 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def processes_mentioning(needle: str) -> list[int]:
-    """Live pids whose command line contains `needle` (e.g. a job's run directory)."""
+def processes_mentioning(needle: str, *, standbys: bool = True) -> list[int]:
+    """Live pids whose command line contains `needle` (e.g. a job's run directory). An idle
+    warm standby's sandbox names the folder it will hand its job (`.next-…` beside the run
+    directories): `standbys=False` leaves those out, as they are no job's trainer."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -76,6 +78,8 @@ def processes_mentioning(needle: str) -> list[int]:
         try:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
+            continue
+        if not standbys and "torchyard.trainer --standby" in cmd:
             continue
         if needle in cmd and pid_alive(int(d.name)):
             out.append(int(d.name))

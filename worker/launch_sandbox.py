@@ -1,0 +1,340 @@
+"""The `sandbox` launcher (worker/launcher.py), the default: every trainer, built-in or user
+code, cold or warm, inside bubblewrap as worker/sandbox.py draws it.
+
+A cold start binds the job's run directory at `/job`, a private copy of its code bundle at
+`/code` (made for each attempt from the host's unpacked cache, which no sandbox sees, so
+nothing a job writes can reach another job's import path), and its input files (init weights, a resume file
+from elsewhere) under `/inputs`, then runs the trainer with its paths rewritten to those.
+
+The slot's warm standby (worker/standby.py) is started inside a sandbox too, before its
+job is known: its `/job` is an empty folder `next` beside the run directories, its `/code`
+the slot's code folder. At the hand-over the job's run directory and `next` swap names
+(one atomic `renameat2(RENAME_EXCHANGE)`), the few files the worker had just written
+(its spec, its log's first lines) move into it, and the bundle is copied into the slot's
+code folder: the standby sees exactly its job's files where a cold trainer would. Only a
+fresh start is handed over this way (no resume file, no init weights: those start cold),
+so no checkpoint is ever moved.
+
+Where the host cannot run bubblewrap (no user namespaces, no `bwrap`, macOS) the worker
+says so when it starts; built-in jobs then run as `local` ones, and a job that runs user
+code fails with `SandboxRefused` unless an admin set TORCHYARD_SANDBOX=off."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from torchyard.settings import Settings
+from torchyard.storage import storage_for
+from torchyard.worker.launch_local import (
+    LocalTrainer,
+    OomCount,
+    oom_counter,
+    spawn,
+    start_piped,
+    trainer_cgroup,
+)
+from torchyard.worker.launcher import LaunchRequest, SandboxRefused, Standby
+from torchyard.worker.logpump import LogPump, piped_log
+from torchyard.worker.proc import Launch, go_message, standby_argv, trainer_argv
+from torchyard.worker.sandbox import (
+    CODE,
+    INPUTS,
+    JOB,
+    Identity,
+    Mounts,
+    give_to,
+    identity,
+    sandbox_argv,
+    sandbox_env,
+    support,
+)
+
+log = logging.getLogger(__name__)
+
+NAME = "sandbox"
+RENAME_EXCHANGE = 2
+READY_WAIT_S = 2.0  # a standby's sandbox is set up in milliseconds; past this, start cold
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two paths atomically (Linux renameat2); OSError where the file system can't."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError("renameat2 is not available")
+    at_cwd = -100
+    if fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class SandboxTrainer(LocalTrainer):
+    """A trainer inside bubblewrap: `pid` is bwrap's (the process group every process of
+    the sandbox is in); SIGTERM goes to the trainer itself, the child of the sandbox's
+    init, since bwrap does not pass signals on."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path, oom_before: int | None,
+                 pump: LogPump, init_pid: int | None, oom_count: OomCount):  # fmt: skip
+        super().__init__(proc, log_path, oom_before, pump, oom_count)
+        self._init_pid = init_pid
+
+    def poll(self) -> int | None:
+        rc = super().poll()
+        return None if rc is None else inner_rc(rc)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return inner_rc(super().wait(timeout))
+
+    def leader(self) -> int | None:
+        """The host pid of the trainer (or torchrun) inside, once it has started."""
+        if self._init_pid is None:
+            return None
+        kids = _children(self._init_pid)
+        return kids[0] if kids else None
+
+    def terminate(self) -> None:
+        leader = self.leader()
+        if leader is None:  # not started inside yet: ending bwrap ends the sandbox
+            super().terminate()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(leader, signal.SIGTERM)
+
+
+def inner_rc(rc: int) -> int:
+    """bwrap exits 128 + N when what it ran was killed by signal N (an OOM kill inside is
+    137): told as the Popen code -N, as for a trainer outside (worker/launcher.py). A
+    trainer's own exit code above 128 reads the same; none of ours is."""
+    if 128 < rc < 128 + signal.NSIG:
+        return -(rc - 128)
+    return rc
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _read_info(fd: int) -> int | None:
+    """bwrap's --info-fd JSON: the host pid of the sandbox's init (None: it failed)."""
+    chunks = []
+    try:
+        while data := os.read(fd, 4096):
+            chunks.append(data)
+            with contextlib.suppress(ValueError):
+                return int(json.loads(b"".join(chunks))["child-pid"])
+    finally:
+        os.close(fd)
+    return None
+
+
+class SandboxLauncher:
+    """Starts this slot's trainers in sandboxes (`Launcher`). One per worker slot: it owns the
+    slot's staging folder (the private code copy, the inputs) and its standby's `/job`."""
+
+    name = NAME
+
+    def __init__(self, settings: Settings, standby: Standby | None):
+        self.settings = settings
+        self.ident: Identity = identity(settings.sandbox_uid)
+        root = settings.home.resolve() / "sandbox"
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+        self.standby = standby
+        self._next: Path | None = None  # the live standby's /job
+        self._inits: dict[int, int | None] = {}  # standby's bwrap pid -> its init's pid
+        self.cgroup = trainer_cgroup(settings)  # every trainer and standby of the slot
+        self._oom_count = oom_counter(self.cgroup)
+        if standby is not None and support().ok:
+            standby.starter = self._start_standby
+            standby.view = lambda env: sandbox_env(env, _bin())
+
+    # ---- the standby --------------------------------------------------------------------
+
+    def _runs_root(self) -> Path:
+        return storage_for(self.settings).run_dir("0" * 32).parent
+
+    def _slot_dir(self, name: str) -> Path:
+        d = self.staging / name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(mode=0o700)
+        return d
+
+    def _start_standby(self, env: dict[str, str], out_fd: int) -> subprocess.Popen[bytes]:
+        runs = self._runs_root()
+        runs.mkdir(parents=True, exist_ok=True)
+        nxt = Path(tempfile.mkdtemp(prefix=f".next-{os.getpid()}-", dir=runs))
+        give_to(nxt, self.ident.owns())
+        code = self._slot_dir("code")
+        give_to(code, self.ident.owns())
+        mounts = Mounts(run_dir=nxt, code=code, data=self.settings.data, lease=_lease(env))
+        inside_env = sandbox_env(env, _bin())
+        proc, init = self._spawn(standby_argv(), mounts, inside_env, out_fd, stdin=subprocess.PIPE)
+        self._next, self._inits = nxt, {proc.pid: init}
+        return proc
+
+    def _hand_over(self, request: LaunchRequest, oom_before: int | None) -> SandboxTrainer | None:
+        """The warm standby takes a fresh one-rank job, or None (start cold)."""
+        launch = request.launch
+        nxt, standby = self._next, self.standby
+        if standby is None or nxt is None or launch.resume is not None or launch.init:
+            return None
+        if not self._standby_inside(standby):
+            return None
+        self._next = None
+        try:
+            exchange(launch.run_dir, nxt)  # the run dir's name now holds the standby's /job
+            for entry in os.listdir(nxt):  # the worker's own files of this fresh start
+                os.rename(nxt / entry, launch.run_dir / entry)
+            nxt.rmdir()
+            give_to(launch.run_dir, self.ident.owns())
+            code = self._private_code(launch.code_dir, self.staging / "code")
+        except OSError as e:
+            log.warning("could not hand the warm trainer its run directory (%s); cold start", e)
+            return None
+        inside = self._inside(launch, code, [])
+        go = go_message(inside, sandbox_env(request.env, _bin()), request.log_path)
+        handed = standby.hand_over(go, request.log_path)
+        if handed is None:
+            return None
+        init = self._inits.get(handed.proc.pid)
+        return SandboxTrainer(
+            handed.proc, request.log_path, oom_before, handed.pump, init, self._oom_count
+        )
+
+    def _standby_inside(self, standby: Standby) -> bool:
+        """Its sandbox is set up (its mounts are made before bwrap starts the trainer in
+        it): a hand-over before that could swap a folder bwrap has yet to bind."""
+        proc = standby.proc
+        init = self._inits.get(proc.pid) if proc is not None else None
+        if init is None:
+            return False
+        deadline = time.monotonic() + READY_WAIT_S
+        while time.monotonic() < deadline:
+            if _children(init):
+                return True
+            time.sleep(0.01)
+        return False
+
+    # ---- a start ------------------------------------------------------------------------
+
+    def start(self, request: LaunchRequest) -> LocalTrainer:
+        ok = support()
+        if not ok.ok:
+            if request.runs_code:
+                raise SandboxRefused(
+                    f"this worker cannot sandbox user code ({ok.why}); an admin may run "
+                    "such jobs unsandboxed with TORCHYARD_SANDBOX=off"
+                )
+            oom_before = self._oom_count()
+            proc, pump = start_piped(request.argv, request, cgroup=self.cgroup)
+            return LocalTrainer(proc, request.log_path, oom_before, pump, self._oom_count)
+        oom_before = self._oom_count()
+        if request.warm_ok:
+            warm = self._hand_over(request, oom_before)
+            if warm is not None:
+                return warm
+        return self._cold(request, oom_before)
+
+    def _cold(self, request: LaunchRequest, oom_before: int | None) -> SandboxTrainer:
+        launch = request.launch
+        give_to(launch.run_dir, self.ident.owns())
+        # Not the standby's code folder: it is bound into the waiting standby.
+        code = self._private_code(launch.code_dir, self._slot_dir("cold-code"))
+        inputs: list[tuple[Path, Path]] = []
+        inside = self._inside(launch, code, inputs)
+        mounts = Mounts(
+            run_dir=launch.run_dir,
+            code=code,
+            inputs=inputs,
+            data=self.settings.data,
+            lease=_lease(request.env),
+        )
+        pump, w = piped_log(request.max_log_bytes, request.log_path)
+        env = sandbox_env(request.env, _bin())
+        try:
+            proc, init = self._spawn(trainer_argv(inside), mounts, env, w)
+        finally:
+            os.close(w)
+        return SandboxTrainer(proc, request.log_path, oom_before, pump, init, self._oom_count)
+
+    def _spawn(self, inner: list[str], mounts: Mounts, env: dict[str, str], out_fd: int,
+               stdin: int = subprocess.DEVNULL) -> tuple[subprocess.Popen[bytes], int | None]:  # fmt: skip
+        r, w = os.pipe()
+        argv = sandbox_argv(inner, mounts, self.ident)
+        argv[1:1] = ["--info-fd", str(w)]
+        try:
+            proc = spawn(argv, env=env, cwd=self.staging, log_fd=out_fd, stdin=stdin,
+                         pass_fds=(w,), cgroup=self.cgroup)  # fmt: skip
+        finally:
+            os.close(w)
+        return proc, _read_info(r)
+
+    def _private_code(self, code_dir: Path | None, dest: Path) -> Path | None:
+        """The job's own copy of its unpacked bundle in `dest` (emptied first, the folder
+        itself kept: a standby sees it through a bind), owned by the sandbox's user."""
+        if code_dir is None:
+            return None
+        for entry in os.scandir(dest):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        shutil.copytree(code_dir, dest, symlinks=True, dirs_exist_ok=True)
+        give_to(dest, self.ident.owns())
+        return dest
+
+    def _inside(self, launch: Launch, code: Path | None, inputs: list[tuple[Path, Path]]) -> Launch:
+        """The launch with its paths as the sandbox shows them (adds the input binds)."""
+        return replace(
+            launch,
+            spec_path=JOB / launch.spec_path.relative_to(launch.run_dir),
+            run_dir=JOB,
+            code_dir=CODE if code is not None else None,
+            resume=self._input(launch.resume, launch.run_dir, "resume", inputs),
+            init=self._input(launch.init, launch.run_dir, "init", inputs),
+        )
+
+    def _input(self, path: Path | None, run_dir: Path, name: str,
+               inputs: list[tuple[Path, Path]]) -> Path | None:  # fmt: skip
+        if path is None:
+            return None
+        with contextlib.suppress(ValueError):
+            return JOB / path.resolve().relative_to(run_dir.resolve())
+        inside = INPUTS / f"{name}-{path.name}"
+        host = path
+        if self.ident.drop:  # a root worker's files are private: the sandbox's user gets a copy
+            folder = self._slot_dir(f"inputs-{name}")
+            host = folder / path.name
+            shutil.copyfile(path, host)
+            give_to(folder, self.ident.owns())
+        inputs.append((host, inside))
+        return inside
+
+
+def _bin() -> str:
+    return os.path.dirname(sys.executable)
+
+
+def _lease(env: dict[str, str]) -> Path | None:
+    raw = env.get("TORCHYARD_LEASE_FILE")
+    return Path(raw) if raw else None
+
+
+def create_launcher(settings: Settings, standby: Standby | None) -> SandboxLauncher:
+    """The registry's factory (worker/launcher.py LAUNCHERS)."""
+    return SandboxLauncher(settings, standby)
