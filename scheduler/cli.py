@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchyard.settings import load_settings, setup_logging
+from torchyard.settings import load_settings, private_umask, setup_logging
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +34,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.tick <= 0:
         p.error("--tick must be > 0")
+    private_umask()
     setup_logging(args.log_level)
     settings = load_settings()
     if settings is None:

@@ -1,7 +1,19 @@
 """Which running jobs a waiting job preempts (pure: no database).
 
 A queued job that has waited `preempt_after_s` and still does not fit preempts running
-jobs of lower priority that allow it (`preemptible`): of one worker kind (a gang never
+jobs of lower priority that allow it (`preemptible`) and that it may take (`may_take`):
+
+- its own user's jobs of lower priority: a user orders their own work;
+- another user's job only when the waiting job's priority is also above that user's
+  `max_priority` (store/quotas.py; default 0). Priority is a permission: a user's
+  max_priority caps the priority they may submit at (admins are not capped) and protects
+  their running jobs up to it, so with the defaults nobody preempts anybody else, and an
+  admin who gives one user a higher max_priority than another's lets that user's urgent
+  jobs (and only those above the other's limit) take the other's workers. A user cannot
+  make their own work preemptible by others by giving it a low priority: it stays
+  protected up to their max_priority.
+
+Among the jobs it may take: of one worker kind (a gang never
 mixes kinds), the fewest jobs, then the lowest priorities, then the most recently started
 (the least work since their last checkpoint is the usual bet). Jobs are taken greedily in
 (priority, newest first) order until enough workers would be free, then any taken job the
@@ -34,12 +46,21 @@ def eligible(waiting: list[QueuedJob], now: datetime, after_s: float) -> list[Qu
     return [j for j in waiting if (now - j.created_at).total_seconds() >= after_s]
 
 
+def may_take(job: QueuedJob, gang: RunningGang) -> bool:
+    """Whether `job` may preempt `gang` (the gang is preemptible: the store read only
+    those): a lower priority, and for another user's job a priority above that user's
+    max_priority too."""
+    if gang.priority >= job.priority:
+        return False
+    return gang.owner_id == job.owner_id or job.priority > gang.owner_max_priority
+
+
 def _victims_of_kind(
     job: QueuedJob, need: int, gangs: list[RunningGang]
 ) -> list[RunningGang] | None:
     """The fewest gangs (of one kind, already filtered) that free `need` workers; among
     sets of that size, the lowest priorities, then the most recently started."""
-    cands = [g for g in gangs if g.priority < job.priority]
+    cands = [g for g in gangs if may_take(job, g)]
     fewest, freed = 0, 0
     for size in sorted((g.workers for g in cands), reverse=True):  # biggest first: fewest
         if freed >= need:

@@ -31,6 +31,7 @@ from torchyard.scheduler.policy import RESERVE_AFTER_S
 from torchyard.scheduler.sweeps import SweepController
 from torchyard.settings import Settings
 from torchyard.store.attempts import abandon_assignments_of_gone_workers, unclaimed_assignments
+from torchyard.store.bundles import remove_unused_bundles_due
 from torchyard.store.db import session_scope
 from torchyard.store.models import utcnow
 from torchyard.store.workers import (
@@ -179,6 +180,7 @@ class Scheduler:
             except Exception as e:  # the next tick retries; never kill the loop
                 ok = False
                 log.warning("scheduler %s failed: %s", step.__name__, e)
+        remove_unused_bundles_due(self.settings)  # hourly at most; logs its own errors
         if not ok:
             self._store_ok_since = None
         elif self._store_ok_since is None:

@@ -91,11 +91,18 @@ def param_problems(path: str, p: FloatParam | IntParam | CategoricalParam) -> Pr
 
 
 def corners(p: FloatParam | IntParam | CategoricalParam) -> list[tuple[str, Any]]:
-    """The values a create-time check builds a spec with, each with its field: both bounds,
-    or every choice."""
+    """The values a create-time check builds a spec with, each with its field: both bounds
+    (an int's highest value on its step, which Optuna samples up to), or every choice."""
     if isinstance(p, CategoricalParam):
         return [(f"choices.{i}", c) for i, c in enumerate(p.choices)]
+    if isinstance(p, IntParam):
+        return [("low", p.low), ("high", _int_top(p))]
     return [("low", p.low), ("high", p.high)]
+
+
+def _int_top(p: IntParam) -> int:
+    """The highest value an int parameter takes: high, or the last step below it."""
+    return p.low + max(p.high - p.low, 0) // p.step * p.step
 
 
 class PathError(ValueError):
@@ -191,6 +198,20 @@ def grid_size(space: Space) -> int:
             n *= (p.high - p.low) // p.step + 1
         n = min(n, MAX_GRID + 1)
     return n
+
+
+def values_at(space: Mapping[str, Param], base: Any, path: str, default: Any) -> list[Any]:
+    """The values a trial's spec can hold at `path` (a top-level field such as `priority`),
+    enough to find its extremes: the parameter's bounds (an int's highest value on its step)
+    or choices when the space sets it, else the base spec's value, else `default`."""
+    p = space.get(path)
+    if isinstance(p, CategoricalParam):
+        return list(p.choices)
+    if isinstance(p, IntParam):
+        return [p.low, _int_top(p)]
+    if isinstance(p, FloatParam):
+        return [p.low, p.high]
+    return [base.get(path, default) if isinstance(base, dict) else default]
 
 
 def iter_corner_params(space: Space) -> Iterator[tuple[str, str, Any]]:

@@ -14,6 +14,7 @@ on one session.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from torchyard.contracts import datasets
 from torchyard.contracts import spec as job_spec
 from torchyard.scheduler import submitchecks as rules
 from torchyard.scheduler import submitrefs as refs
+from torchyard.scheduler.space import Param
 from torchyard.scheduler.submitchecks import Problems, SubmitRefused, Submitter
 from torchyard.settings import Settings
 from torchyard.storage import storage_for
@@ -94,10 +96,21 @@ class Admission:
         spec, problems = rules.spec_problems(obj, self.settings)
         if spec is None:
             return None, problems
-        for refusal in (rules.code_refusal(self.who, spec), rules.priority_refusal(self.who, spec)):
+        for refusal in (
+            rules.code_refusal(self.who, spec),
+            rules.priority_refusal(self.who, spec),
+            rules.max_priority_refusal(self.session, self.who, spec.priority),
+        ):
             if refusal is not None:
                 raise refusal
         return spec, problems + self._reference_problems(spec)
+
+    def check_sweep(self, base: Any, space: Mapping[str, Param]) -> None:
+        """Raise SubmitRefused (forbidden) for what no trial of the sweep may do, over the
+        space's reachable values together (each trial is checked again at its submit)."""
+        refusal = rules.sweep_refusal(self.session, self.who, base, space)
+        if refusal is not None:
+            raise refusal
 
     def admit(self, obj: Any) -> Admitted:
         """The spec admitted, or SubmitRefused (invalid: every problem; forbidden)."""

@@ -1,7 +1,8 @@
 """The rules a submit is checked against, whatever its entry point (scheduler/submit.py runs
 them): the spec itself and what only the server knows (the data set on disk, the world size,
 the model and data-set size limits), the permissions (running one's own code, a priority
-nobody can preempt) and the `max_queued` quota; and the warnings of a job that is stored
+above the user's `max_priority`, a priority nobody can preempt, over a sweep's whole space)
+and the `max_queued` quota; and the warnings of a job that is stored
 all the same (a world size the pool cannot give now). The spec's references (a bundle and its
 script, an `init` job) are submitrefs.py's.
 
@@ -12,21 +13,25 @@ module, called through it, so that one patched rule is seen by every entry point
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, Protocol
 
 from sqlalchemy.orm import Session
 
 from torchyard.contracts import datasets
 from torchyard.contracts import spec as job_spec
+from torchyard.scheduler import modelsize
+from torchyard.scheduler import space as sp
 from torchyard.scheduler.policy import Kind, describe_kind, kind_of
 from torchyard.settings import Settings
 from torchyard.store.jobs import idempotency_key_used
 from torchyard.store.models import User
 from torchyard.store.queue import live_counts
-from torchyard.store.quotas import over_max_queued
+from torchyard.store.quotas import max_priority_of, over_max_queued
 from torchyard.store.workers import stale_cutoff
 
 Problems = list[tuple[str, str]]
+MIN_PRIORITY = -1000  # the spec's lowest priority, and the lowest max_priority
 # What a refusal is; the API answers 422, 403, 429 and 409 (api/errors.py: `refused`).
 Refusal = Literal["invalid", "forbidden", "quota_exceeded", "idempotency_conflict"]
 
@@ -118,8 +123,10 @@ def place_problems(settings: Settings, data: str | None, world_size: int | None)
 def limit_problems(spec: job_spec.JobSpec, settings: Settings) -> Problems:
     """The model and the data set are within the size limits. Each field has its cap but
     their product does not: refuse a model or data set too large for the server before it is
-    stored (nothing to clean up, no OOM on a worker)."""
-    return datasets.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
+    stored (nothing to clean up, no OOM on a worker). A `torchvision/<name>` model is counted
+    on the meta device with its args (modelsize.py); a bundle's model, by the trainer."""
+    found = datasets.limit_problems(spec, settings.max_model_params, settings.max_data_bytes)
+    return found + modelsize.torchvision_problems(spec, settings.max_model_params)
 
 
 # --- permissions --------------------------------------------------------------------------------
@@ -141,14 +148,62 @@ def code_refusal(who: Submitter, spec: job_spec.JobSpec) -> SubmitRefused | None
 def priority_refusal(who: Submitter, spec: job_spec.JobSpec) -> SubmitRefused | None:
     """A job that may not be preempted and asks for a priority above 0 from a non-admin: it
     could take workers from everyone and never give them back."""
-    if spec.preemptible or spec.priority <= 0 or who.is_admin:
+    return _unpreemptible_refusal(who, spec.priority, spec.preemptible)
+
+
+def _unpreemptible_refusal(
+    who: Submitter, priority: int, preemptible: bool, field: str = "priority", what: str = ""
+) -> SubmitRefused | None:
+    if preemptible or priority <= 0 or who.is_admin:
         return None
     return SubmitRefused(
         "forbidden",
         f"only admins may give a job with preemptible: false a priority above 0 "
-        f"(got priority {spec.priority}); make it preemptible or use priority <= 0",
-        details=[{"field": "priority", "message": "above 0 needs preemptible: true"}],
+        f"(got priority {priority}{what}); make it preemptible or use priority <= 0",
+        details=[{"field": field, "message": "above 0 needs preemptible: true"}],
     )
+
+
+def max_priority_refusal(
+    session: Session, who: Submitter, priority: int, field: str = "priority", what: str = ""
+) -> SubmitRefused | None:
+    """Priority is a permission: a non-admin's job above the user's max_priority (set by an
+    admin with the quota; by default 0, the default priority) is refused, so a user orders
+    their own jobs but cannot outrank, and so preempt, other users' work on their own say."""
+    if who.is_admin or priority <= MIN_PRIORITY:  # every limit allows the lowest
+        return None
+    limit = max_priority_of(session, who.id)
+    if priority <= limit:
+        return None
+    return SubmitRefused(
+        "forbidden",
+        f"priority {priority}{what} is above this user's max_priority, {limit}; use a "
+        f"priority <= {limit}, or ask an admin to raise it "
+        "(`torchyard quota set USER --max-priority N`)",
+        details=[{"field": field, "limit": limit, "message": f"must be <= {limit}"}],
+    )
+
+
+def sweep_refusal(
+    session: Session, who: Submitter, base: Any, space: Mapping[str, sp.Param]
+) -> SubmitRefused | None:
+    """The permissions of a sweep over every trial it can ask for, not only each value
+    alone: the space sets each field on its own, so its highest priority can come with
+    `preemptible: false` from another parameter (or the base spec). Each trial is checked
+    again when the controller submits it."""
+    priorities = [
+        v
+        for v in sp.values_at(space, base, "priority", 0)
+        if isinstance(v, int) and not isinstance(v, bool)
+    ]
+    top = max(priorities, default=0)
+    field = "space.priority" if "priority" in space else "spec.priority"
+    can_pin = any(v is False for v in sp.values_at(space, base, "preemptible", True))
+    what = " with preemptible: false in a trial of this sweep"
+    refusal = _unpreemptible_refusal(who, top, not can_pin, field, what)
+    if refusal is not None:
+        return refusal
+    return max_priority_refusal(session, who, top, field, " in a trial of this sweep")
 
 
 # --- the quota ----------------------------------------------------------------------------------

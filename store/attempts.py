@@ -257,6 +257,18 @@ def fence_flush(
     return str(job_id)
 
 
+def note_attempt(session: Session, attempt_id: int, note: str | None) -> None:
+    """An active attempt's reason while it runs (what its worker set aside so far: GET
+    /v1/jobs/{id} shows it with the attempt); its end writes the final reason. In a flush,
+    after `fence_flush` (which bumps the job's version)."""
+    session.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt_id, Attempt.state.in_(ATTEMPT_ACTIVE))
+        .values(reason=note)
+        .execution_options(synchronize_session=False)
+    )
+
+
 def end_assignment(session: Session, assignment_id: int, exit_code: int | None) -> None:
     session.execute(
         update(Assignment)

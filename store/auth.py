@@ -1,18 +1,23 @@
-"""API tokens: created once in plaintext, stored only as a sha256 hash.
+"""API tokens: created once in plaintext, stored only as a sha256 hash; listed (never the
+secret) and revoked.
 
 A token is `ty_` + 43 url-safe characters (256 random bits); its hash is the lookup
-key, so a stolen database yields no usable token.
+key, so a stolen database yields no usable token. Revoking one also ends the dashboard
+sessions and login links made from it, and tells what the API's token cache must forget
+(api/routers/tokens.py), so a revoked token is refused at once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from torchyard.store.models import ApiToken, User
+from torchyard.store.models import ApiToken, UiLoginLink, UiSession, User, utcnow
 
 TOKEN_PREFIX = "ty_"
 
@@ -45,17 +50,84 @@ def user_named(session: Session, user_name: str) -> User | None:
 
 
 def create_token(
-    session: Session, user_name: str, admin: bool = False, can_run_code: bool = False
+    session: Session,
+    user_name: str,
+    admin: bool = False,
+    can_run_code: bool = False,
+    label: str | None = None,
 ) -> str:
     """Create a token for `user_name` (creating the user if missing); returns the plaintext.
     `can_run_code`: the user's jobs may run their own code (see get_or_create_user)."""
+    return issue_token(session, user_name, admin, can_run_code, label)[1]
+
+
+def issue_token(
+    session: Session,
+    user_name: str,
+    admin: bool = False,
+    can_run_code: bool = False,
+    label: str | None = None,
+) -> tuple[ApiToken, str]:
+    """`create_token`, returning the new row too (its id, prefix and time)."""
     if not user_name or len(user_name) > 100:
         raise ValueError("user name must be 1 to 100 characters")
+    if label is not None and len(label) > 100:
+        raise ValueError("a token's label is at most 100 characters")
     user = get_or_create_user(session, user_name, admin, can_run_code)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    session.add(ApiToken(user_id=user.id, token_hash=hash_token(token), prefix=token[:10]))
+    row = ApiToken(user_id=user.id, token_hash=hash_token(token), prefix=token[:10], label=label)
+    session.add(row)
     session.flush()
-    return token
+    return row, token
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A live token as it is listed: never its secret or hash."""
+
+    id: int
+    user: str
+    label: str | None
+    prefix: str
+    created_at: datetime
+
+
+def list_tokens(session: Session, user_id: int | None) -> list[TokenInfo]:
+    """The live tokens of `user_id` (None: everyone's), oldest first."""
+    q = (
+        select(ApiToken.id, User.name, ApiToken.label, ApiToken.prefix, ApiToken.created_at)
+        .join(User, User.id == ApiToken.user_id)
+        .where(ApiToken.revoked_at.is_(None))
+        .order_by(ApiToken.id)
+    )
+    if user_id is not None:
+        q = q.where(ApiToken.user_id == user_id)
+    return [TokenInfo(*row) for row in session.execute(q)]
+
+
+def revoke_token(
+    session: Session, token_id: int, user_id: int | None
+) -> tuple[str, list[str]] | None:
+    """Revoke the token `token_id` of `user_id` (None: anyone's, for an admin) and end the
+    dashboard sessions and login links made from it. Returns the hashes of the token and of
+    those sessions' secrets (what the API's token cache knows them by), or None when there
+    is no such token the caller may see. Revoking a revoked token again changes nothing."""
+    q = select(ApiToken.token_hash).where(ApiToken.id == token_id)
+    if user_id is not None:
+        q = q.where(ApiToken.user_id == user_id)
+    token_hash = session.scalar(q)
+    if token_hash is None:
+        return None
+    session.execute(
+        update(ApiToken)
+        .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+    )
+    ended = select(UiSession.secret_hash).where(UiSession.token_id == token_id)
+    sessions = list(session.scalars(ended))
+    session.execute(delete(UiSession).where(UiSession.token_id == token_id))
+    session.execute(delete(UiLoginLink).where(UiLoginLink.token_id == token_id))
+    return token_hash, sessions
 
 
 def user_for_token(session: Session, token: str) -> User | None:

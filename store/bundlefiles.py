@@ -6,6 +6,15 @@ storage seam, and checked and unpacked here as a local file.
 Nothing here trusts the archive. `check_archive` streams through it within the limits (a gzip
 bomb stops at the first member over them) and refuses every name or member type that could
 write or link outside the bundle, or shadow our own `torchyard` package on a job's sys.path.
+
+Python's tarfile reads a pax header or a GNU long name whole into memory before it looks at
+it, so the member limits alone do not bound memory: a 255 KB gzip can hold one 250 MB pax
+header. Every header is checked as tarfile reads it (`_GuardedTar`, `_HeaderBudget`), before
+tarfile reads what it announces: extended headers of at most MAX_EXT_HEADER bytes, at most
+MAX_EXT_CHAIN of them before one member, MAX_EXT_TOTAL bytes in the whole archive (global
+ones MAX_GLOBAL_PAX), and no sparse files. Names are bounded too: MAX_NAME_BYTES a path,
+MAX_COMPONENT_BYTES a part of it, MAX_NAMES_BYTES all of them (the names file kept beside
+the archive), no control characters.
 """
 
 from __future__ import annotations
@@ -68,6 +77,25 @@ _OTHER_KINDS = {
     tarfile.GNUTYPE_SPARSE: "a sparse file",
 }
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
+# Extended headers (pax records, GNU long names and link names): what tarfile may read.
+MAX_EXT_HEADER = 16 * 1024  # one header's data: a long path or link and its pax records
+MAX_EXT_CHAIN = 4  # extended headers in a row before one member (pax, long name, long link)
+MAX_EXT_TOTAL = 8 * 1024**2  # every extended header of the archive together
+MAX_GLOBAL_PAX = 4096  # global pax headers (`git archive` writes one: its commit id)
+MAX_PAX_RECORDS = 64  # pax records applying to one member (each is kept with it)
+_EXT_TYPES = {
+    tarfile.XHDTYPE: "an extended (pax) header",
+    tarfile.SOLARIS_XHDTYPE: "an extended (pax) header",
+    tarfile.XGLTYPE: "a global (pax) header",
+    tarfile.GNUTYPE_LONGNAME: "a GNU long name",
+    tarfile.GNUTYPE_LONGLINK: "a GNU long link name",
+}
+# Names: the kernel's PATH_MAX and NAME_MAX, and all of a bundle's names together (the
+# names file kept beside the archive: store/bundles.py).
+MAX_NAME_BYTES = 4096
+MAX_COMPONENT_BYTES = 255
+MAX_NAMES_BYTES = 2 * 1024**2
+_CONTROL = frozenset(map(chr, [*range(32), 127]))
 
 
 class BundleRejected(ValueError):
@@ -113,7 +141,8 @@ def _check_id(bundle_id: str) -> None:
 
 
 def _reject(name: str, why: str) -> BundleRejected:
-    return BundleRejected(f"member {name!r}: {why}")
+    shown = name if len(name) <= 200 else name[:200] + "…"
+    return BundleRejected(f"member {shown!r}: {why}")
 
 
 # ---------------------------------------------------------------- reading the stream
@@ -146,6 +175,58 @@ class _CappedReader:
             pass
 
 
+@dataclass
+class _HeaderBudget:
+    """What the archive's extended headers used so far; `check` refuses one over a limit
+    before tarfile reads its data."""
+
+    chain: int = 0
+    total: int = 0
+    global_total: int = 0
+
+    def check(self, info: tarfile.TarInfo) -> None:
+        what = _EXT_TYPES.get(info.type)
+        if info.type == tarfile.GNUTYPE_SPARSE:  # its extension blocks are read unbounded
+            raise BundleRejected(f"member {info.name!r}: a sparse file, not allowed")
+        if what is None:
+            self.chain = 0
+            return
+        self.chain += 1
+        self.total += info.size
+        if info.type == tarfile.XGLTYPE:
+            self.global_total += info.size
+        if info.size > MAX_EXT_HEADER:
+            raise BundleRejected(f"{what} of {info.size} bytes (at most {MAX_EXT_HEADER})")
+        if self.chain > MAX_EXT_CHAIN:
+            raise BundleRejected(f"more than {MAX_EXT_CHAIN} extended headers in a row")
+        if self.total > MAX_EXT_TOTAL:
+            raise BundleRejected(f"extended headers of more than {MAX_EXT_TOTAL} bytes in all")
+        if self.global_total > MAX_GLOBAL_PAX:
+            raise BundleRejected(f"global pax headers of more than {MAX_GLOBAL_PAX} bytes")
+
+
+class _GuardedInfo(tarfile.TarInfo):
+    """A TarInfo whose processing (tarfile's documented hook, `_proc_member`) first checks
+    the header against the archive's budget: tarfile reads an extended header's data whole,
+    and follows a chain of them by recursion."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        budget = getattr(tar, "budget", None)
+        if isinstance(budget, _HeaderBudget):
+            budget.check(self)
+        return super()._proc_member(tar)  # type: ignore[misc]
+
+
+class _GuardedTar(tarfile.TarFile):
+    """A TarFile that reads its members as `_GuardedInfo`, with one budget per archive."""
+
+    tarinfo = _GuardedInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.budget = _HeaderBudget()
+        super().__init__(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _open_stream(
     path: Path, *, max_files: int, max_bytes: int
@@ -155,7 +236,7 @@ def _open_stream(
         reader = _CappedReader(gz, cap)
         try:
             # A stream read front to back ("r|"): tarfile calls only `read` on it.
-            with tarfile.open(fileobj=cast(IO[bytes], reader), mode="r|") as tar:
+            with _GuardedTar.open(fileobj=cast(IO[bytes], reader), mode="r|") as tar:
                 yield tar, reader
         except tarfile.TarError as e:
             raise BundleRejected(f"not a valid gzip-compressed tar: {e}") from e
@@ -166,14 +247,24 @@ def _open_stream(
 
 def _clean_name(raw: str, *, what: str, member: str) -> str:
     """`raw` as a posix path relative to the bundle (no `.` or empty parts); refused when
-    absolute, with a `..` part, a NUL or a backslash."""
+    absolute, with a `..` part, a NUL, a backslash or a control character, or too long."""
     if "\x00" in raw or "\\" in raw:
         raise _reject(member, f"{what} with a NUL or backslash")
+    if not _CONTROL.isdisjoint(raw):
+        raise _reject(member, f"{what} with a control character")
     if raw.startswith("/"):
         raise _reject(member, f"{what} is an absolute path")
+    try:
+        size = len(raw.encode())
+    except UnicodeEncodeError:  # tarfile keeps undecodable bytes as lone surrogates
+        raise _reject(member, f"{what} that is not UTF-8") from None
+    if size > MAX_NAME_BYTES:
+        raise _reject(member, f"{what} longer than {MAX_NAME_BYTES} bytes")
     parts = [p for p in raw.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise _reject(member, f"{what} is a path outside the bundle (a '..' part)")
+    if any(len(p.encode()) > MAX_COMPONENT_BYTES for p in parts):
+        raise _reject(member, f"{what} with a part longer than {MAX_COMPONENT_BYTES} bytes")
     return "/".join(parts)
 
 
@@ -211,6 +302,7 @@ class _Seen:
     max_bytes: int
     count: int = 0
     total: int = 0
+    names_bytes: int = 0  # every member's name and link target, as UTF-8
     kinds: dict[str, str] = field(default_factory=dict)
     files: set[str] = field(default_factory=set)
     links: dict[str, str] = field(default_factory=dict)
@@ -231,6 +323,9 @@ class _Seen:
         if self.total > self.max_bytes:
             raise _reject(raw, f"the bundle unpacks to more than {self.max_bytes} bytes")
         name = _clean_name(raw, what="a path", member=raw)
+        self._count_name(raw, name, member.linkname if kind in ("symlink", "hardlink") else "")
+        if len(member.pax_headers) > MAX_PAX_RECORDS:
+            raise _reject(raw, f"more than {MAX_PAX_RECORDS} pax records")
         if not name:
             if kind != "dir":
                 raise _reject(raw, "an empty name")
@@ -243,6 +338,11 @@ class _Seen:
         if kind in ("file", "hardlink"):
             self.files.add(name)
         self.kinds[name] = kind
+
+    def _count_name(self, raw: str, name: str, target: str) -> None:
+        self.names_bytes += len(name.encode()) + len(target.encode(errors="surrogateescape"))
+        if self.names_bytes > MAX_NAMES_BYTES:
+            raise _reject(raw, f"the bundle's names take more than {MAX_NAMES_BYTES} bytes")
 
     def _check_name(self, raw: str, name: str, kind: str) -> None:
         top = name.split("/")[0]
@@ -257,6 +357,8 @@ class _Seen:
     def _add_symlink(self, raw: str, name: str, target: str) -> None:
         if not target or "\x00" in target:
             raise _reject(raw, "a symlink with an empty or NUL target")
+        if len(target) > MAX_NAME_BYTES:
+            raise _reject(raw, f"a symlink target longer than {MAX_NAME_BYTES} characters")
         if target.startswith("/"):
             raise _reject(raw, f"a symlink to the absolute path {target!r}")
         start = name.split("/")[:-1]

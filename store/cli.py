@@ -1,11 +1,28 @@
-"""Administration commands: `torchyard db upgrade` and `torchyard token create`."""
+"""Administration commands on the server's own database: `torchyard db upgrade` and the
+first admin's token, `torchyard token create --local`.
+
+Tokens are otherwise made, listed and revoked over the API (`torchyard token …`,
+client/cmd_tokens.py, by an admin); the local path is for the first admin, before any
+token exists (or to get back in when every admin token was revoked): whoever can write the
+database can do anything anyway. Both commands make their files private to this user
+(umask 077: a new SQLite database is not world-readable)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 
-from torchyard.settings import get_settings
+from torchyard.settings import get_settings, private_umask
+
+BOOTSTRAP = (
+    "The first admin's token, written straight into the database (TORCHYARD_DATABASE_URL): "
+    "for bootstrapping only, before any token exists to call the API with (`torchyard up` "
+    "makes one itself). Every other token: `torchyard token create --user NAME` by an admin, "
+    "over the API; list and revoke them with `torchyard token list|revoke`."
+)
 
 
 def db_main(argv: list[str]) -> int:
@@ -19,19 +36,36 @@ def db_main(argv: list[str]) -> int:
 
     from torchyard.store import migrate
 
-    url = get_settings().db_url
-    if args.action == "upgrade":
-        migrate.upgrade(url)
-        print(f"database at revision {migrate.current(url)}", file=sys.stderr)
-    else:
-        print(migrate.current(url) or "none")
+    with _private():
+        url = get_settings().db_url
+        if args.action == "upgrade":
+            migrate.upgrade(url)
+            print(f"database at revision {migrate.current(url)}", file=sys.stderr)
+        else:
+            print(migrate.current(url) or "none")
     return 0
 
 
+@contextlib.contextmanager
+def _private() -> Iterator[None]:
+    """umask 077 while the command runs (then the caller's again: tests call these in
+    their own process)."""
+    old = private_umask()
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 def token_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="torchyard token", description="API tokens")
+    """`torchyard token create --local …` (the dispatcher drops `--local`)."""
+    parser = argparse.ArgumentParser(prog="torchyard token --local", description=BOOTSTRAP)
     sub = parser.add_subparsers(dest="action", required=True)
-    create = sub.add_parser("create", help="create a token (and the user if new); prints the token")
+    create = sub.add_parser(
+        "create",
+        help="bootstrap: the first admin's token, straight into the database; prints the token",
+        description=BOOTSTRAP,
+    )
     create.add_argument("--user", required=True, help="user name (created if missing)")
     create.add_argument("--admin", action="store_true", help="the user sees every job")
     create.add_argument(
@@ -40,6 +74,7 @@ def token_main(argv: list[str]) -> int:
         help="jobs of this user may run their own code: bundles, scripts, module:function "
         "factories; that code runs with the worker's privileges",
     )
+    create.add_argument("--label", help="a name to tell the token apart by")
     args = parser.parse_args(argv)
 
     from torchyard.store.auth import create_token
@@ -47,8 +82,12 @@ def token_main(argv: list[str]) -> int:
 
     if not 1 <= len(args.user) <= 100:
         parser.error("--user must be 1 to 100 characters")
-    with session_scope(get_settings().db_url) as session:
-        token = create_token(session, args.user, admin=args.admin, can_run_code=args.can_run_code)
-    # Only the token on stdout, so `TOKEN=$(torchyard token create --user me)` works.
+    if args.label is not None and len(args.label) > 100:
+        parser.error("--label must be at most 100 characters")
+    with _private(), session_scope(get_settings().db_url) as session:
+        token = create_token(
+            session, args.user, admin=args.admin, can_run_code=args.can_run_code, label=args.label
+        )
+    # Only the token on stdout, so `TOKEN=$(torchyard token create --local …)` works.
     print(token)
     return 0

@@ -224,10 +224,21 @@ def import_dataset(name: str, files: list[Path], data_root: Path, force: bool = 
     stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.import-", dir=target.parent))
     try:
         unpack = _unpack_tar if spec.members else _unpack_idx
-        _replace_dir(unpack(spec, archives, stage), target, force)
+        unpacked = unpack(spec, archives, stage)
+        readable_by_all(unpacked)
+        _replace_dir(unpacked, target, force)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return target
+
+
+def readable_by_all(folder: Path) -> None:
+    """Data sets are shared by every job, and trainers run as the sandbox's own user
+    (worker/sandbox.py): whatever the service's umask, they may read, never write."""
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
 
 
 def _parser() -> argparse.ArgumentParser:

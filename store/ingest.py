@@ -11,10 +11,17 @@ points back. The rest (a replay after resume, a batch sent again after a crash) 
 upserted, the latest value winning, and store/metrics.py recomputes their blocks from the
 points. Either way one row per (job, name, step) remains and a batch sent twice adds
 nothing. A point that is "new" but already there (another writer of the job between the
-two statements; fencing makes that impossible) fails the INSERT, never doubles a row."""
+two statements; fencing makes that impossible) fails the INSERT, never doubles a row.
+
+No statement's shape depends on how many series a batch holds beyond a fixed chunk
+(`NAMES_PER_STATEMENT`): a batch of 3,000 names once built a 3,000-column SELECT that both
+databases refuse. A batch the store refuses for what it holds (`refused_by_store`: a value
+out of range, a limit of the database) would be refused again: the worker sets it aside
+rather than retrying it; a lost connection is retried."""
 
 from __future__ import annotations
 
+import sqlite3
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +30,7 @@ from psycopg import adapters
 from psycopg.abc import Buffer
 from psycopg.adapt import Dumper
 from psycopg.pq import Format
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -195,17 +203,62 @@ def insert_new(
         _sqlite_many(session, _SQLITE_BLOCKS + _MERGE_BLOCKS, job_id, blocks)
 
 
+NAMES_PER_STATEMENT = 500  # series one statement looks up: far below every database's limits
+# One row per name (never one column per name): the newest step of each, one index probe
+# each (ORDER BY … LIMIT 1, not MAX: on stale statistics MAX may read the whole series).
+_NEWEST_SQL = """
+WITH wanted(name) AS (VALUES {names})
+SELECT w.name, (SELECT m.step FROM metrics m WHERE m.job_id = :job AND m.name = w.name
+                ORDER BY m.step DESC LIMIT 1)
+FROM wanted w
+"""
+
+
 def newest_steps(session: Session, job_id: str, names: Sequence[str]) -> dict[str, int | None]:
-    """The newest recorded step of each series (None: none yet): one index probe each
-    (ORDER BY … LIMIT 1, not MAX: on stale statistics MAX may read the whole series)."""
-    probes = ", ".join(
-        f"(SELECT step FROM metrics WHERE job_id = :job AND name = :n{i}"
-        " ORDER BY step DESC LIMIT 1)"
-        for i in range(len(names))
-    )
-    params: dict[str, Any] = {f"n{i}": n for i, n in enumerate(names)}
-    row = session.execute(text(f"SELECT {probes}"), {"job": job_id, **params}).one()
-    return dict(zip(names, row, strict=True))
+    """The newest recorded step of each series (None: none yet), `NAMES_PER_STATEMENT`
+    names per statement."""
+    out: dict[str, int | None] = {}
+    for lo in range(0, len(names), NAMES_PER_STATEMENT):
+        chunk = names[lo : lo + NAMES_PER_STATEMENT]
+        values = ", ".join(f"(:n{i})" for i in range(len(chunk)))
+        params: dict[str, Any] = {f"n{i}": n for i, n in enumerate(chunk)}
+        rows = session.execute(text(_NEWEST_SQL.format(names=values)), {"job": job_id, **params})
+        out.update((name, None if step is None else int(step)) for name, step in rows)
+    return {n: out.get(n) for n in names}
+
+
+# SQLSTATE classes of a refusal for what a statement holds: data exception, integrity
+# constraint, syntax or access rule, program limit exceeded (too many columns, too complex).
+_REFUSED_CLASSES = ("22", "23", "42", "54")
+# SQLite's words for its limits (it has no SQLSTATE): too many columns, terms or variables,
+# a string or blob too big, an expression tree too large, an integer overflow.
+_SQLITE_LIMITS = ("too many", "too big", "too large", "overflow", "maximum depth")
+# What building a batch's parameters raises for a value no column can hold.
+_BAD_VALUES = (OverflowError, ValueError, TypeError, struct.error)
+
+
+def refused_by_store(e: BaseException) -> bool:
+    """Whether the store refused a write for what it holds, so that sending it again would
+    be refused again (set it aside): False for a lost connection, a timeout, a lock or a
+    serialisation conflict, which a retry outlives."""
+    if isinstance(e, sa_exc.DBAPIError):
+        if e.connection_invalidated:
+            return False
+        state = getattr(e.orig, "sqlstate", None)
+        if isinstance(state, str) and state:
+            return state[:2] in _REFUSED_CLASSES
+        if isinstance(e, sa_exc.OperationalError):
+            return any(m in str(e.orig).lower() for m in _SQLITE_LIMITS)
+        return isinstance(e, sa_exc.IntegrityError | sa_exc.DataError | sa_exc.ProgrammingError)
+    if isinstance(e, sa_exc.StatementError):  # a parameter the driver could not bind
+        return isinstance(e.orig, _BAD_VALUES)
+    if isinstance(e, sa_exc.SQLAlchemyError):
+        return False
+    if isinstance(e, sqlite3.Error):  # raised by the driver itself (`_sqlite_many`)
+        return not isinstance(e, sqlite3.OperationalError) or any(
+            m in str(e).lower() for m in _SQLITE_LIMITS
+        )
+    return isinstance(e, _BAD_VALUES)
 
 
 def split_new(

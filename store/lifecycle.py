@@ -10,6 +10,12 @@ holds the decisions that call it for a running job:
   stale token, and its writes are refused with `Fenced`, so a trainer that ran on
   after its attempt was given up can never change the record.
 
+A job handed back again and again (not for a preemption) backs off: past HANDBACK_FREE
+hand-backs in a row it is queued with `hold_until` (HANDBACK_FIRST_S, doubling, at most
+HANDBACK_MAX_S), which a scheduling pass waits for (store/queue.py), and its pending
+reason says so. A hand-back is not counted against max_restarts; the backoff keeps one
+that repeats (a host that keeps failing the job) from spinning.
+
 How a trainer process ended is classified into an attempt outcome by the worker
 (`worker/outcome.py`); what that outcome does to the job is decided here.
 No transition error is swallowed: each decision reads the job under a row lock, so a
@@ -18,10 +24,12 @@ refused transition is a bug and raises.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from torchyard.store.dialect import is_postgres
+from torchyard.store.dialect import db_now, is_postgres
 from torchyard.store.jobs import bump_version_of_attempt
 from torchyard.store.models import Assignment, Attempt, Job, utcnow
 from torchyard.store.states import (
@@ -41,6 +49,10 @@ from torchyard.store.states import (
     SUCCEEDED,
     transition,
 )
+
+HANDBACK_FREE = 2  # hand-backs in a row queued again at once (a stopping worker, a blip)
+HANDBACK_FIRST_S, HANDBACK_MAX_S = 5.0, 300.0
+PENDING_REASON_CHARS = 300  # jobs.pending_reason
 
 
 class Fenced(Exception):
@@ -180,7 +192,16 @@ def _move_job(
         pending = f"preempted by job {attempt.preempted_by}; resumes from its checkpoint"
         _requeue(session, job, why, pending)
     elif outcome == A_HANDED_BACK:
-        _requeue(session, job, why, f"handed back: {why}")
+        n, delay = handback_delay_s(session, job.id)
+        if delay <= 0:
+            _requeue(session, job, why, f"handed back: {why}")
+        else:
+            hold = db_now(session) + timedelta(seconds=delay)
+            pending = (
+                f"handed back {n} times in a row; backing off: not started again for "
+                f"{delay:.0f}s (until {hold:%H:%M:%S} UTC); last: {why}"
+            )
+            _requeue(session, job, why, pending, hold_until=hold)
     else:
         n = counted_failures(session, job.id)
         if n <= job.max_restarts:
@@ -193,5 +214,27 @@ def _move_job(
             transition(session, job, FAILED, reason=why, error=msg)
 
 
-def _requeue(session: Session, job: Job, why: str, pending: str) -> None:
-    transition(session, job, QUEUED, reason=why, attempt=job.attempt + 1, pending_reason=pending)
+def handback_delay_s(session: Session, job_id: str) -> tuple[int, float]:
+    """(the job's latest attempts handed back in a row, not for a preemption; how long it
+    waits before it may start again: 0 for the first HANDBACK_FREE, then doubling)."""
+    rows = session.execute(
+        select(Attempt.state, Attempt.preempted_by)
+        .where(Attempt.job_id == job_id)
+        .order_by(Attempt.number.desc())
+        .limit(HANDBACK_FREE + 16)
+    ).all()
+    n = 0
+    for state, preempted_by in rows:
+        if state != A_HANDED_BACK or preempted_by is not None:
+            break
+        n += 1
+    if n <= HANDBACK_FREE:
+        return n, 0.0
+    return n, min(HANDBACK_FIRST_S * 2 ** (n - HANDBACK_FREE - 1), HANDBACK_MAX_S)
+
+
+def _requeue(
+    session: Session, job: Job, why: str, pending: str, hold_until: datetime | None = None
+) -> None:
+    transition(session, job, QUEUED, reason=why, attempt=job.attempt + 1,
+               pending_reason=pending[:PENDING_REASON_CHARS], hold_until=hold_until)  # fmt: skip

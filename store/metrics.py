@@ -11,7 +11,13 @@ from typing import Any
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
-from torchyard.store.ingest import Point, insert_new, split_new, write_points
+from torchyard.store.ingest import (
+    NAMES_PER_STATEMENT,
+    Point,
+    insert_new,
+    split_new,
+    write_points,
+)
 from torchyard.store.models import Metric, MetricBlock
 
 # Rollup levels (steps per block), finest first: see store.models.MetricBlock.
@@ -78,11 +84,16 @@ def ingest_metrics(session: Session, job_id: str, rows: Iterable[dict[str, Any]]
 def _redo_blocks(
     session: Session, sql: str, spans: dict[str, tuple[int, int]], **params: Any
 ) -> None:
-    """Run a rollup statement over `spans` (bound as parameters, never inlined)."""
-    values = ", ".join(f"(:n{i}, :lo{i}, :hi{i})" for i in range(len(spans)))
-    for i, (name, (lo, hi)) in enumerate(spans.items()):
-        params.update({f"n{i}": name, f"lo{i}": lo, f"hi{i}": hi})
-    session.execute(text(sql.format(spans=values)), params)
+    """Run a rollup statement over `spans` (bound as parameters, never inlined), at most
+    NAMES_PER_STATEMENT series per statement: its size never grows with a batch's names."""
+    items = list(spans.items())
+    for lo in range(0, len(items), NAMES_PER_STATEMENT):
+        chunk = items[lo : lo + NAMES_PER_STATEMENT]
+        values = ", ".join(f"(:n{i}, :lo{i}, :hi{i})" for i in range(len(chunk)))
+        bound = dict(params)
+        for i, (name, (first, last)) in enumerate(chunk):
+            bound.update({f"n{i}": name, f"lo{i}": first, f"hi{i}": last})
+        session.execute(text(sql.format(spans=values)), bound)
 
 
 def _update_blocks(
@@ -167,12 +178,15 @@ WHERE job_id = :job AND name = :name AND level = :level AND block >= :first_bloc
 NO_LOWER, NO_UPPER = -(2**62), 2**62
 
 
-def metric_names(session: Session, job_id: str) -> list[str]:
-    rows = session.execute(
-        text(_NAMES_SQL + "SELECT name FROM names WHERE name IS NOT NULL ORDER BY name"),
-        {"job": job_id},
-    )
-    return [r[0] for r in rows]
+def metric_names(session: Session, job_id: str, limit: int | None = None) -> list[str]:
+    """The job's distinct metric names, in order; the first `limit` only when given (the
+    worker reads one more than a job may hold, to know it is full)."""
+    sql = _NAMES_SQL + "SELECT name FROM names WHERE name IS NOT NULL ORDER BY name"
+    params: dict[str, Any] = {"job": job_id}
+    if limit is not None:
+        sql += " LIMIT :limit"
+        params["limit"] = limit
+    return [r[0] for r in session.execute(text(sql), params)]
 
 
 def _raw_series(

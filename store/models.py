@@ -88,6 +88,9 @@ class User(Base):
     max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Fair share: usage is divided by this, so a share of 2 may use twice as much.
     share: Mapped[float] = mapped_column(Float, default=1.0, server_default="1", nullable=False)
+    # The highest priority the user may give a job, and the priority up to which their
+    # running jobs are safe from other users' (store/quotas.py); None: the default, 0.
+    max_priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -100,6 +103,8 @@ class ApiToken(Base):
     prefix: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # What its owner calls it (`torchyard token create --label`), shown in GET /v1/tokens.
+    label: Mapped[str | None] = mapped_column(String(100), nullable=True)
 
 
 class Bundle(Base):
@@ -113,6 +118,9 @@ class Bundle(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)  # the upload's (compressed) size
     files: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Uploaded again or named by a submitted job (store/bundles.py); a bundle unused for
+    # TORCHYARD_BUNDLE_RETENTION_S is removed. None: never since created_at.
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class Job(Base):
@@ -148,6 +156,9 @@ class Job(Base):
     # The sweep this job is a trial of (store/sweeps.py); no foreign key, so that adding the
     # column rebuilds no table on SQLite.
     sweep_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # A job handed back again and again waits until then before a pass may start it
+    # (store/lifecycle.py: hand-back backoff; migration 0012). None: no wait.
+    hold_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     __table_args__ = (
         # Jobs by state (lists and counts), then priority and age.

@@ -1,6 +1,6 @@
 """What fair share, quotas and preemption read and write in a scheduling pass: each
 user's limits and the workers their jobs hold, the running gangs a waiting job could
-preempt, the preemptions in flight, and the write that asks a gang to stop.
+preempt (with their owners' max_priority), the preemptions in flight, and the write that asks a gang to stop.
 
 Preemption is an intent in the store, like a cancel: the scheduler sets
 `attempts.preempted_by` on the victim's running attempt (conditionally: still running,
@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from torchyard.store.jobs import bump_version
 from torchyard.store.models import Attempt, Job, JobEvent, User, Worker, utcnow
+from torchyard.store.quotas import DEFAULT_MAX_PRIORITY
 from torchyard.store.states import A_RUNNING, ATTEMPT_ACTIVE, RUNNING
 from torchyard.store.workers import BUSY
 
@@ -31,7 +32,8 @@ class PoolUser(NamedTuple):
 
 
 class RunningGang(NamedTuple):
-    """A running job a higher-priority one could preempt (one row per worker kind)."""
+    """A running job a higher-priority one could preempt (one row per worker kind), with
+    its owner's max_priority: another user's job must be above it to take this one."""
 
     job_id: str
     attempt_id: int
@@ -41,6 +43,7 @@ class RunningGang(NamedTuple):
     device: str
     device_name: str | None
     workers: int
+    owner_max_priority: int = DEFAULT_MAX_PRIORITY
 
 
 class Preemption(NamedTuple):
@@ -80,7 +83,8 @@ def lowest_preemptible_priority(session: Session) -> int | None:
 
 def running_gangs(session: Session, below_priority: int) -> list[RunningGang]:
     """Running, preemptible jobs under `below_priority` whose running attempt is not being
-    preempted already, with the kind and number of workers each holds."""
+    preempted already, with the kind and number of workers each holds and their owner's
+    max_priority (the default where none is set)."""
     gang = (
         Job.id,
         Attempt.id,
@@ -90,10 +94,12 @@ def running_gangs(session: Session, below_priority: int) -> list[RunningGang]:
         Worker.device,
         Worker.device_name,
     )
+    protected = func.coalesce(User.max_priority, DEFAULT_MAX_PRIORITY)
     q = (
-        select(*gang, func.count(Worker.id))
+        select(*gang, func.count(Worker.id), protected)
         .select_from(Worker)
         .join(Job, Job.id == Worker.current_job_id)
+        .join(User, User.id == Job.owner_id)
         .join(Attempt, (Attempt.job_id == Job.id) & (Attempt.number == Job.attempt))
         .where(
             Worker.state == BUSY,
@@ -103,7 +109,7 @@ def running_gangs(session: Session, below_priority: int) -> list[RunningGang]:
             Attempt.state == A_RUNNING,
             Attempt.preempted_by.is_(None),
         )
-        .group_by(*gang)
+        .group_by(*gang, protected)
     )
     return [RunningGang(*row) for row in session.execute(q)]
 

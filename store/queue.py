@@ -20,10 +20,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import NamedTuple
 
-from sqlalchemy import Integer, String, case, func, insert, literal, select, true, update
+from sqlalchemy import Integer, String, case, func, insert, literal, or_, select, true, update
 from sqlalchemy.orm import Session
 
-from torchyard.store.dialect import is_postgres, unnest
+from torchyard.store.dialect import db_now_value, is_postgres, unnest
 from torchyard.store.models import (
     Assignment,
     Attempt,
@@ -101,6 +101,8 @@ def queue_heads(session: Session, limit: int, *, lock: bool = True) -> list[Queu
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
         .limit(limit)
     )
+    if lock:  # a pass starts no job that backs off after hand-backs (store/lifecycle.py)
+        mine = mine.where(or_(Job.hold_until.is_(None), Job.hold_until <= db_now_value(session)))
     if is_postgres(session):
         head = mine.where(Job.owner_id == User.id)
         if lock:  # a pass's read: two schedulers never take the same job

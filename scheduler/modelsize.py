@@ -1,0 +1,188 @@
+"""The size of a `torchvision/<name>` model with its `model.args`, counted before the job
+is stored: built on PyTorch's meta device (shapes only, nothing allocated), so a spec such
+as `resnet50` with `width_per_group: 65536` (~11.9 T parameters) is refused at submit like
+an `mlp` of the same size (contracts/datasets.py counts the built-in models without
+torch). A bundle's own model cannot be built here: the trainer counts it the same way
+before it allocates (trainer/modelguard.py).
+
+torch and torchvision are imported on the first such spec only (the API and the
+scheduler start without them), in the request's thread. The build is bounded: at most
+`MAX_MODULES` modules and `BUILD_S` seconds (checked by torch's global registration hooks,
+active only in the thread counting), at most `MAX_BUILDS` at once in a process, and its
+outcome is cached per (name, args, classes).
+
+RegNets compute their stage widths from small tensors in their constructor (`.tolist()`),
+which the meta device cannot give; a build that fails so is retried with tensors of at
+most `SMALL` elements made on the CPU (their size is fixed by the model, not by args).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import gc
+import json
+import re
+import threading
+import time
+from typing import Any
+
+from torchyard.contracts import datasets
+from torchyard.contracts.spec import JobSpec
+
+Problems = list[tuple[str, str]]
+MAX_MODULES = 10_000  # torchvision's largest classification model has ~1,400
+BUILD_S = 5.0
+MAX_BUILDS = 2
+SMALL = 64  # elements: the largest tensor the RegNet retry makes on the CPU
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
+_DUPLICATE = re.compile(r"multiple values for (?:keyword )?argument '(\w+)'")
+_META_DATA = "meta tensor"  # in torch's "Cannot copy out of meta tensor; no data!"
+
+
+class BuildRefused(Exception):
+    """The build went past MAX_MODULES modules or BUILD_S seconds."""
+
+
+class _Budget(threading.local):
+    active = False
+    modules = 0
+    deadline = 0.0
+
+
+_budget = _Budget()
+_builds = threading.BoundedSemaphore(MAX_BUILDS)
+_setup = threading.Lock()
+_hooks_installed = False
+
+
+def torchvision_problems(spec: JobSpec, max_params: int) -> Problems:
+    """Why a `torchvision/<name>` model of this spec is refused: an unknown name, args the
+    model does not take (named), a build past the bounds, or more parameters than
+    `max_params`; [] for other models. The class count is the data's (1 when only the
+    job's own data set knows it: the count is then a lower bound)."""
+    model = spec.model
+    if model is None or model.kind != "torchvision":
+        return []
+    name = model.name.partition("/")[2]
+    classes = datasets.data_classes(spec.data) if spec.data is not None else None
+    args = json.dumps(model.args or {}, sort_keys=True)
+    try:
+        counted = _count(name, args, classes or 1)
+    except BuildRefused as e:  # not cached: a build slowed by load may pass next time
+        return [("model.args", f"torchvision/{name}: {e}")]
+    if isinstance(counted, tuple):
+        return [counted]
+    if counted <= max_params:
+        return []
+    field = "model.args" if model.args else "model"
+    bound = "" if classes else " (at least: the class count is the data set's own)"
+    return [
+        (field, datasets.too_many_parameters(counted, max_params, f"torchvision/{name}") + bound)
+    ]
+
+
+@functools.lru_cache(maxsize=256)
+def _count(name: str, args_json: str, classes: int) -> int | tuple[str, str]:
+    """The model's parameter count, or the (field, message) of why it cannot be built."""
+    tvm = _torchvision()
+    known = tvm.list_models(module=tvm)
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        return "model.name", f"torchvision has no classification model {name!r}{hint}"
+    args: dict[str, Any] = json.loads(args_json)
+    with _builds:
+        try:
+            net = _bounded_build(tvm, name, classes, args)
+        except BuildRefused:
+            raise
+        except Exception as e:  # args the constructor refuses, in whatever way it does
+            return _build_problem(name, e)
+    return sum(p.numel() for p in net.parameters())
+
+
+def _bounded_build(tvm: Any, name: str, classes: int, args: dict[str, Any]) -> Any:
+    """Build on the meta device within the module and time bounds (the RegNet retry too)."""
+    import torch
+
+    _budget.active, _budget.modules = True, 0
+    _budget.deadline = time.monotonic() + BUILD_S
+    try:
+        try:
+            with torch.device("meta"):
+                return tvm.get_model(name, weights=None, num_classes=classes, **args)
+        except NotImplementedError as e:
+            if _META_DATA not in str(e):
+                raise
+        _budget.modules = 0
+        with _small_on_cpu():
+            return tvm.get_model(name, weights=None, num_classes=classes, **args)
+    finally:
+        _budget.active = False
+
+
+def _build_problem(name: str, e: Exception) -> tuple[str, str]:
+    text = str(e)
+    if isinstance(e, TypeError) and (m := _UNEXPECTED.search(text)):
+        return f"model.args.{m[1]}", f"torchvision/{name} takes no argument {m[1]!r}"
+    if isinstance(e, TypeError) and (m := _DUPLICATE.search(text)):
+        return f"model.args.{m[1]}", f"torchvision/{name} sets {m[1]!r} itself"
+    detail = f"{type(e).__name__}: {text.strip().partition(chr(10))[0]}"
+    if len(detail) > 300:
+        detail = detail[:300] + "…"
+    return "model.args", f"torchvision/{name} cannot be built with these args: {detail}"
+
+
+def _on_registration(*_: Any) -> None:
+    """torch's global module and parameter registration hook: the bounds of a build in
+    this thread (no-op in any other)."""
+    b = _budget
+    if not b.active:
+        return
+    b.modules += 1
+    if b.modules > MAX_MODULES:
+        raise BuildRefused(f"building it with these args makes more than {MAX_MODULES} modules")
+    if time.monotonic() > b.deadline:
+        raise BuildRefused(f"building it with these args takes more than {BUILD_S:g} s")
+
+
+def _torchvision() -> Any:
+    """torchvision.models, imported (with torch) on first use, the bounds' hooks installed
+    once. A process that froze its start-up heap (the API) freezes torch's modules too."""
+    global _hooks_installed
+    with _setup:
+        import torch.nn.modules.module as tmod
+        import torchvision.models as tvm
+
+        if not _hooks_installed:
+            tmod.register_module_module_registration_hook(_on_registration)
+            tmod.register_module_parameter_registration_hook(_on_registration)
+            _hooks_installed = True
+            if gc.get_freeze_count():
+                gc.freeze()
+    return tvm
+
+
+def _small_on_cpu() -> Any:
+    """A mode in which tensor constructors make their result on the meta device unless it
+    has at most SMALL elements (then on the CPU, with data)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._device import _device_constructors
+
+    constructors = _device_constructors()
+
+    class SmallOnCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = dict(kwargs or {})
+            if func not in constructors:
+                return func(*args, **kwargs)
+            kwargs["device"] = "meta"
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.numel() <= SMALL:
+                kwargs["device"] = "cpu"
+                out = func(*args, **kwargs)
+            return out
+
+    return SmallOnCpu()
