@@ -18,7 +18,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from torchyard.api import errors
 from torchyard.api.deps import TokenCache
+from torchyard.api.docs import HtmlPolicy, add_docs
 from torchyard.api.fanout import FeedHub, stored_log_size
+from torchyard.api.jsonlimits import JsonDepthLimit
 from torchyard.api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
 from torchyard.api.routers import (
     bundles,
@@ -30,6 +32,7 @@ from torchyard.api.routers import (
     meta,
     queue,
     sweeps,
+    tokens,
     ui,
     ui_jobs,
     users,
@@ -145,6 +148,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Run PyTorch training jobs on a shared pool of GPUs. Every route but "
         "/healthz and /readyz needs `Authorization: Bearer <token>`. Errors are "
         '`{"error": {"code", "message", "details"}}`.',
+        # FastAPI's docs pages load a CDN's script: off unless TORCHYARD_API_DOCS (api/docs.py).
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.sessions, app.state.read_sessions = _sessions(settings)
@@ -165,17 +171,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The dashboard (ui: its page and logins, ui_jobs: its table) last: its page paths
     # never shadow an API route.
     routers = (jobs, job_data, job_events, checkpoints, bundles, workers, users, queue, health,
-               meta, sweeps, ui_jobs, ui)  # fmt: skip
+               meta, sweeps, tokens, ui_jobs, ui)  # fmt: skip
     for module in routers:
         app.include_router(module.router)
+    if settings.api_docs:
+        add_docs(app)
     # Each add_middleware wraps the ones before it, so the last added runs first: requests
     # are counted (shed 503s and 413s included: an operator must see them), then the size
     # limit applies before anything reads a body, then the shedder.
+    # JSON bodies nested too deep: 422 before any parser recurses (innermost: a body is read
+    # only once the size limit and the shedder let the request in).
+    app.add_middleware(
+        JsonDepthLimit, max_depth=settings.max_json_depth, skip=(bundles.UPLOAD_PATH,)
+    )
     app.add_middleware(ShedLoad, max_waiting=SHED_WAITING_PER_THREAD * settings.api_threads)
     # Bundle uploads stream to disk under their own, larger limit, enforced by their route.
     app.add_middleware(
         BodyLimit, max_bytes=settings.max_body_bytes, own_limit=(bundles.UPLOAD_PATH,)
     )
     app.add_middleware(PrometheusMetrics, registry=registry)
+    app.add_middleware(HtmlPolicy)  # any HTML answer without a CSP gets the dashboard's
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -16,8 +16,9 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from torchyard.api.app import create_app
-    from torchyard.settings import get_settings
+    from torchyard.settings import get_settings, private_umask
 
+    private_umask()
     settings = get_settings()  # validated now, so a bad variable fails before binding
     app = create_app(settings)
     freeze_startup_heap()

@@ -1,8 +1,10 @@
 """What routes get injected: settings, a database session, and the authenticated user.
 
 Tokens are looked up by their hash; a hit is cached in the process for a few seconds
-(TOKEN_CACHE_TTL_S), so the hot read routes cost no token query. A revoked token may
-therefore keep working for up to that long in a running API process. The requests that miss
+(TOKEN_CACHE_TTL_S), so the hot read routes cost no token query. A token revoked
+through this process (DELETE /v1/tokens/{id}) is dropped from its cache at once; in other
+API processes it may keep working for up to TOKEN_CACHE_TTL_S; an event stream opened
+with it asks again every few seconds (`still_authorized`, api/streams.py) and ends. The requests that miss
 while a lookup is under way share it: when a busy client's entry expires, its dozens of
 requests in flight make one query, not one each queued for the few store threads (that
 queue was the API's tail latency every TTL, bench/api_bench.py).
@@ -190,6 +192,7 @@ class BearerAuth(HTTPBearer):
             principal = await _principal(request, token, cookie=False)
             if principal is None:
                 raise _unauthorized("unknown or revoked token")
+            request.state.credential = (token, False)
             return principal
         session = request.cookies.get(SESSION_COOKIE)
         if not session:
@@ -201,7 +204,26 @@ class BearerAuth(HTTPBearer):
         principal = await _principal(request, session, cookie=True)
         if principal is None:
             raise _unauthorized("the dashboard session has ended: log in again")
+        request.state.credential = (session, True)
         return principal
+
+
+async def still_authorized(request: Request, user: Principal) -> bool:
+    """Whether the credential this request was let in with (its bearer token or dashboard
+    session) still stands for `user`: a long-lived response (an event stream) asks every few
+    seconds. Through the token cache, so it costs a store query per credential per
+    TOKEN_CACHE_TTL_S at most (a revoked token is seen within that; a logout drops its entry
+    at once). A store that cannot answer ends nothing (it cannot have recorded a revocation
+    the cache has not seen either)."""
+    credential = getattr(request.state, "credential", None)
+    if credential is None:
+        return True  # not let in by a credential of ours (a test's override)
+    secret, cookie = credential
+    try:
+        principal = await _principal(request, secret, cookie)
+    except Exception:
+        return True
+    return principal is not None and principal.id == user.id
 
 
 current_user = BearerAuth(

@@ -30,6 +30,7 @@ from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from tenacity import AsyncRetrying, stop_after_attempt, wait_exponential
 
+from torchyard.api.views import owner_reason
 from torchyard.storage import Storage, UnsafePath, job_key
 from torchyard.store.feed import FeedCursor, FeedItem, FeedPage, poll
 from torchyard.store.paths import LOG_FILE
@@ -234,7 +235,8 @@ class FeedHub:
             while not feed.ended:
                 page, log_size = await self._poll(feed)
                 if self._log_size is not None:
-                    feed.set_status(page.pending_reason, log_size)
+                    # Other users' job ids and usage never reach a job's stream.
+                    feed.set_status(owner_reason(page.pending_reason, feed.job_id), log_size)
                 feed.publish(page)
                 if not page.more and not feed.ended:
                     await asyncio.sleep(feed.poll_s)

@@ -4,20 +4,22 @@ one byte range (206) for resumable downloads, 416 past the end, If-Range, If-Non
 file is sent with 200, as RFC 9110 allows (and as this API has always documented).
 
 An object with a local file (the local backend: `Storage.local_path`) is served by
-Starlette's FileResponse, which reads Range and If-Range itself and sends with sendfile
-where the server can; any other is streamed from the storage in blocks (`stored_response`),
-with the same headers and answers."""
+Starlette's FileResponse, which reads Range and If-Range itself; any other is streamed from
+the storage in blocks (`stored_response`), with the same headers and answers. The local file
+is served from the one descriptor the storage opened (no link followed: storage/local.py),
+never reopened by name, so a link swapped in after the check is never what is sent."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from email.utils import formatdate
-from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+import anyio
 from fastapi import Response
 from starlette.responses import (
     FileResponse,
@@ -25,6 +27,7 @@ from starlette.responses import (
     RangeNotSatisfiable,
     StreamingResponse,
 )
+from starlette.types import Receive, Scope, Send
 
 from torchyard.api.errors import ApiError
 from torchyard.storage import ObjectInfo, Storage
@@ -33,9 +36,30 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
 class _Download(FileResponse):
+    """FileResponse over a file already open: read from its descriptor, closed when the
+    response ends (or with the object, if it is never sent); never reopened by its path."""
+
     # 64 KiB (Starlette's default) costs a send per 64 KiB: 1 MiB keeps a 1 GiB download
     # to ~1000 event-loop round trips.
     chunk_size = 1 << 20
+
+    def __init__(self, file: BinaryIO, **kw: Any) -> None:
+        self._file = file
+        super().__init__(f"/dev/fd/{file.fileno()}", **kw)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._file.close()
+
+    @contextlib.asynccontextmanager
+    async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
+        yield anyio.wrap_file(self._file)
+
+    async def _handle_simple(self, send: Send, send_header_only: bool, send_pathsend: bool) -> None:
+        # never "pathsend": the server would open the path itself
+        await super()._handle_simple(send, send_header_only, False)
 
     @classmethod
     def _parse_range_header(cls, http_range: str, file_size: int) -> list[tuple[int, int]]:
@@ -60,15 +84,19 @@ def _etag_matches(header: str, etag: str) -> bool:
     return "*" in tags or etag in tags
 
 
-def file_response(path: Path, *, etag: str, filename: str, if_none_match: str | None) -> Response:
-    """The file at `path` (FileNotFoundError if it is not a regular file now)."""
-    if if_none_match and _etag_matches(if_none_match, etag):
+def file_response(
+    file: BinaryIO, *, etag: str, filename: str, if_none_match: str | None
+) -> Response:
+    """The open local file `file` (the response closes it; FileNotFoundError, and closed,
+    if it is not a regular file)."""
+    st = os.fstat(file.fileno())
+    if not stat.S_ISREG(st.st_mode) or (if_none_match and _etag_matches(if_none_match, etag)):
+        file.close()
+        if not stat.S_ISREG(st.st_mode):
+            raise FileNotFoundError(filename)
         return Response(status_code=304, headers={"ETag": etag})
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise FileNotFoundError(path)
     return _Download(
-        path,
+        file,
         headers={"ETag": etag},
         media_type="application/octet-stream",
         filename=_SAFE_NAME.sub("_", filename),

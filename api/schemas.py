@@ -254,6 +254,14 @@ class QuotaIn(BaseModel):
         allow_inf_nan=False,
         description="weight in fair share: usage is divided by it (default 1)",
     )
+    max_priority: int | None = Field(
+        default=None,
+        ge=-1000,
+        le=1000,
+        description="highest priority the user may give a job (above it: 403); another "
+        "user's job preempts this user's running jobs only with a priority above it "
+        "(null: the default, 0)",
+    )
 
 
 class QuotaOut(BaseModel):
@@ -261,6 +269,10 @@ class QuotaOut(BaseModel):
     max_workers: int | None = Field(description="null: no limit")
     max_queued: int | None = Field(description="null: no limit")
     share: float
+    max_priority: int = Field(
+        description="highest priority the user may give a job (admins: any), and the "
+        "priority up to which their running jobs are safe from other users' (default 0)"
+    )
 
 
 class QueueUsage(BaseModel):

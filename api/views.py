@@ -2,11 +2,18 @@
 
 Every route that answers with one job builds it from `store.jobs.job_snapshot`'s row
 (`job_out`); the list builds its summaries from the same columns (`job_summary`).
+
+A job's reasons (pending, its attempts', its error) are shown as its owner may see them,
+whoever asks (`owner_reason`): the scheduler writes them for operators, naming other users'
+jobs (preemption) and other users' names and usage (fair share). Those become "another job"
+and "users who used less"; an admin sees the full reasons in GET /v1/queue. The body stays
+one function of the job's version, as its ETag promises.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,7 +21,7 @@ from torchyard.api.schemas import JobOut, JobSummary
 from torchyard.store.models import Job
 
 # Bump when a body's shape changes, so no client keeps a 304 for an older rendering.
-BODY_REVISION = "1"
+BODY_REVISION = "2"  # 2: reasons as the owner may see them
 
 _JOB_COLUMNS = (
     "id", "name", "state", "attempt", "spec", "pending_reason", "error", "created_at",
@@ -23,10 +30,55 @@ _JOB_COLUMNS = (
 )  # fmt: skip
 
 
+_ID = r"[0-9a-f]{32}"
+# Other jobs, as the scheduler and the worker name them: "job <id>", "preempted by <id>",
+# "<id> (priority N)" (store/attempts.py, store/lifecycle.py, scheduler/preemption.py,
+# worker/outcome.py).
+_OTHER_JOB = re.compile(rf"\bjob ({_ID})\b|(?<=\bby )({_ID})\b|\b({_ID})(?= \(priority )")
+_WAITING = re.compile(rf"waiting for preempted jobs? ((?:{_ID})(?:, {_ID})*) to stop")
+# scheduler/fairshare.py: wait_prefix
+_FAIR = re.compile(
+    r"^fair share: (?P<me>.*?) has used (?P<used>[0-9.]+ .+?-h(?: \(share [^)]*\))?), "
+    r".*\(half-life (?P<hl>[^)]*)\); "
+)
+
+
+def owner_reason(text: str | None, job_id: str, owner: str | None = None) -> str | None:
+    """`text` (a reason about the job `job_id` of `owner`) without other users' job ids,
+    names or usage: what the job's owner may read. Without `owner`, the name the fair-share
+    prefix opens with is taken as the owner's (the scheduler always names the job's owner
+    there)."""
+    if not text:
+        return text
+    fair = _FAIR.match(text)
+    if fair is not None and fair["me"] == (owner or fair["me"]):
+        text = (
+            f"fair share: {fair['me']} has used {fair['used']}; users who used less go first "
+            f"(half-life {fair['hl']}); " + text[fair.end() :]
+        )
+    text = _WAITING.sub(lambda m: _waiting(m[1].count(",") + 1), text)
+
+    def other(m: re.Match[str]) -> str:
+        return m[0] if (m[1] or m[2] or m[3]) == job_id else "another job"
+
+    return _OTHER_JOB.sub(other, text)
+
+
+def _waiting(n: int) -> str:
+    return (
+        "waiting for a preempted job to stop"
+        if n == 1
+        else f"waiting for {n} preempted jobs to stop"
+    )
+
+
 def _summary_fields(get: Callable[[str], Any], owner: str) -> dict[str, Any]:
     progress = get("progress")
+    job_id = get("id")
     return {
         **{k: get(k) for k in _JOB_COLUMNS},
+        "pending_reason": owner_reason(get("pending_reason"), job_id, owner),
+        "error": owner_reason(get("error"), job_id, owner),
         # progress is the trainer's JSON: anything but an object shows as null
         "progress": progress if isinstance(progress, dict) else None,
         "owner": owner,
@@ -44,7 +96,10 @@ def job_out(row: Mapping[str, Any]) -> JobOut:
         {
             **_summary_fields(row.__getitem__, row["owner"]),
             "latest_metrics": row["latest_metrics"],
-            "attempts": row["attempts"],
+            "attempts": [
+                {**a, "reason": owner_reason(a.get("reason"), row["id"], row["owner"])}
+                for a in row["attempts"]
+            ],
         }
     )
 

@@ -2,7 +2,8 @@
 command. `main(argv)` takes the command name as argv[0]. The commands themselves live by group:
 client/cmd_jobs.py (submit, status, list, cancel, logs), client/cmd_results.py (metrics,
 download), client/cmd_pool.py (workers, quota, queue), client/cmd_sweeps.py (sweep …),
-client/cmd_login.py (login); --follow is client/follow.py. The server's URL and token are
+client/cmd_tokens.py (token list|create|revoke), client/cmd_login.py (login); --follow is
+client/follow.py. The server's URL and token are
 looked up as client/config.py says.
 
 Exit codes: 0 success (a cancel that finds the job ended too); 1 a failure (server
@@ -41,6 +42,7 @@ from torchyard.client.cmd_results import (
     write_csv,
 )
 from torchyard.client.cmd_sweeps import add_sweep_commands, resolve_sweep_id
+from torchyard.client.cmd_tokens import add_token_commands
 from torchyard.client.config import resolve
 from torchyard.client.errors import APIError, TorchyardError
 from torchyard.client.follow import follow_job, follow_sweep, progress_line, summary_line
@@ -123,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_result_commands(cmd)  # metrics, download
     add_pool_commands(cmd, sub, common)
     add_sweep_commands(sub, common)
+    add_token_commands(sub, common)
     add_login_command(sub)
     return p
 

@@ -23,7 +23,7 @@ from torchyard.client.cli_common import (
 )
 from torchyard.client.sdk import Client
 
-_QUOTA_FIELDS = ("max_workers", "max_queued", "share")
+_QUOTA_FIELDS = ("max_workers", "max_queued", "share", "max_priority")
 _NO_LIMIT = ("none", "unlimited")
 
 
@@ -50,6 +50,11 @@ def add_pool_commands(cmd: Callable[..., Any], sub: Any, common: argparse.Argume
     sp.add_argument("--max-queued", type=_limit, help=queued, **unset)
     share = "fair-share weight, > 0: 2 may use twice as much (none: back to 1)"
     sp.add_argument("--share", type=_share, help=share, **unset | {"metavar": "S|none"})
+    top = (
+        "highest priority the user may give a job, -1000 to 1000; another user's job "
+        "preempts theirs only above it (default: back to 0)"
+    )
+    sp.add_argument("--max-priority", type=_priority, help=top, **unset | {"metavar": "P|default"})
     sp.add_argument("--json", action="store_true", help="print the quota as JSON")
     sp = actions.add_parser(
         "show",
@@ -120,10 +125,22 @@ def _share(value: str) -> float | None:
     return x
 
 
+def _priority(value: str) -> int | None:
+    if value.lower() in (*_NO_LIMIT, "default"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number or `default`: {value!r}") from None
+    if not -1000 <= n <= 1000:
+        raise argparse.ArgumentTypeError(f"must be from -1000 to 1000, or `default`: {n}")
+    return n
+
+
 def cmd_quota_set(client: Client, args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in _QUOTA_FIELDS if hasattr(args, k)}
     if not fields:
-        err("nothing to set: give --max-workers, --max-queued and/or --share")
+        err("nothing to set: give --max-workers, --max-queued, --share and/or --max-priority")
         return EXIT_USAGE
     _show_quota(client.set_quota(args.user, **fields), args.json)
     return EXIT_OK
@@ -142,6 +159,8 @@ def _show_quota(quota: dict, as_json: bool) -> None:
     for key in ("max_workers", "max_queued"):
         rows.append((key, "no limit" if quota.get(key) is None else str(quota[key])))
     rows.append(("share", num(quota.get("share"))))
+    if quota.get("max_priority") is not None:
+        rows.append(("max_priority", str(quota["max_priority"])))
     show(render.fields(rows))
 
 

@@ -628,6 +628,30 @@ class Client:
         the whole queue)."""
         return self._json("GET", "/v1/queue", params={"limit": limit})
 
+    # -- API tokens -------------------------------------------------------------------------
+
+    def tokens(self) -> list[dict]:
+        """Live API tokens: your own; an admin's list has everyone's. Each is {"id", "user",
+        "label", "prefix", "created_at"}: never a secret."""
+        return list(self._json("GET", "/v1/tokens").get("items", []))
+
+    def create_token(
+        self,
+        user: str,
+        *,
+        label: str | None = None,
+        admin: bool = False,
+        can_run_code: bool = False,
+    ) -> dict:
+        """A new token for `user`, created if missing (admins only): the listed fields plus
+        "token", the secret, which is shown this once."""
+        body = {"user": user, "label": label, "admin": admin, "can_run_code": can_run_code}
+        return dict(self._json("POST", "/v1/tokens", json=body))
+
+    def revoke_token(self, token_id: int) -> None:
+        """Revoke a token by id (your own, or anyone's for an admin): refused from then on."""
+        self._json("DELETE", f"/v1/tokens/{int(token_id)}")
+
     def ready(self) -> bool:
         """True when /readyz answers 200 (no token needed)."""
         try:

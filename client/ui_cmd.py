@@ -7,15 +7,23 @@ exchange within five minutes. The token itself never leaves this process.
 
 It opens the URL with the browser `BROWSER` names (Python's `webbrowser` rules), or the
 desktop's default where there is a display; elsewhere (an SSH session) it only prints it.
+The browser is never given the URL itself on its command line, where every local user can
+read it (/proc/<pid>/cmdline, `ps`) and log in first: it gets a small page written for this
+one login (mode 0600, in a fresh folder of mode 0700 under the temp directory), which sends
+it on to the URL at once. Only this user can read that page; the secret in it is good once,
+for five minutes. The same way Jupyter opens its token URL.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import os
 import sys
+import tempfile
 import webbrowser
 from collections.abc import Mapping
+from pathlib import Path
 
 import httpx
 
@@ -31,6 +39,23 @@ def _can_open(env: Mapping[str, str]) -> bool:
     if sys.platform in ("darwin", "win32"):
         return True
     return bool(env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"))
+
+
+def redirect_page(url: str) -> Path:
+    """A page that sends the browser on to `url`, readable by this user only: a new file
+    (mode 0600) in a new folder (mode 0700). Its own path tells nothing."""
+    folder = Path(tempfile.mkdtemp(prefix="torchyard-ui-"))
+    page = folder / "login.html"
+    target = html.escape(url, quote=True)
+    body = (
+        '<!doctype html><meta charset="utf-8"><meta name="referrer" content="no-referrer">'
+        f'<meta http-equiv="refresh" content="0;url={target}"><title>torchyard</title>'
+        f'<p><a href="{target}">Open the torchyard dashboard</a></p>\n'
+    )
+    fd = os.open(page, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a fresh folder: no link
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(body)
+    return page
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     print("(logs in once, within 5 minutes; run `torchyard ui` again for another)", file=sys.stderr)
     if not args.no_open and _can_open(os.environ):
         try:
-            opened = webbrowser.open(url)
-        except webbrowser.Error:
+            opened = webbrowser.open(redirect_page(url).as_uri())
+        except (webbrowser.Error, OSError):
             opened = False
         if not opened:
             print("torchyard ui: no browser to open: open the URL above", file=sys.stderr)

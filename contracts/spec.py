@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from torchyard.contracts.specerrors import SpecError, validation_problems
+from torchyard.contracts.specerrors import SpecError, validation_problems, without_excess_unknown
 
 BUILTIN_MODELS = ("mlp", "lenet", "resnet18")
 BUILTIN_DATA = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
@@ -373,7 +373,9 @@ class JobSpec(_Strict):
     """Lost attempts retried (resuming from the latest checkpoint) before the job fails."""
     priority: int = Field(default=0, ge=-1000, le=1000)
     """Higher runs first; among equal priorities users take turns by fair share, then the
-    oldest job goes first. A queued job preempts preemptible jobs of lower priority."""
+    oldest job goes first. A queued job preempts preemptible jobs of lower priority (another
+    user's only above that user's max_priority). At most your max_priority (default 0, set by
+    an admin with the quota)."""
     preemptible: bool = True
     """Whether a higher-priority job may stop this one (it checkpoints on SIGTERM and
     resumes, bit for bit, when workers are free). Only admins may give a job that is not
@@ -436,8 +438,9 @@ def parse_spec(obj: Any) -> JobSpec:
     """Validate a decoded JSON/YAML object as a JobSpec, or raise SpecError listing every problem."""
     if not isinstance(obj, dict):
         raise SpecError([("spec", "must be a JSON object")])
+    bounded, dropped = without_excess_unknown(JobSpec, obj)
     try:
-        return JobSpec.model_validate(obj)
+        return JobSpec.model_validate(bounded)
     except ValidationError as e:
         # The spec's own check (missing sections) runs only when every field is valid:
         # say what is missing together with the field errors.
@@ -448,7 +451,7 @@ def parse_spec(obj: Any) -> JobSpec:
                 for f in ("model", "data", "optimizer")
                 if obj.get(f) is None
             ]
-        problems += validation_problems(JobSpec, e)
+        problems += validation_problems(JobSpec, e, dropped)
         raise SpecError(list(dict.fromkeys(problems))) from None
 
 

@@ -2,16 +2,25 @@
 message)` pairs with dotted field paths) and the messages that help fix each one (the value
 received for a value of the wrong kind, the field meant for an unknown one).
 
+The work is bounded whatever the spec holds (a 1 MB body can carry 50,000 unknown fields):
+at most MAX_LISTED problems are worded one by one (the did-you-mean search is the costly
+part), the rest are counted in one last problem ("and N more").
+
 Torch-free, pydantic only; `contracts/spec.py` raises these for its models."""
 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
+
+# Problems worded one by one (each unknown field with its did-you-mean); the rest are
+# summed up in one more problem, so a hostile spec costs a bounded amount of work.
+MAX_LISTED = 20
 
 
 class SpecError(ValueError):
@@ -126,8 +135,10 @@ def _section(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | N
     return model
 
 
+@functools.cache
 def _sections(model: type[BaseModel], prefix: str = "") -> dict[str, list[str]]:
-    """Every section's path -> its field names, from `model` down."""
+    """Every section's path -> its field names, from `model` down (the models are fixed:
+    computed once per model; callers must not change the answer)."""
     out = {prefix: list(model.model_fields)}
     for name, f in model.model_fields.items():
         if (sub := _submodel(f.annotation)) is not None:
@@ -185,14 +196,60 @@ def _field_loc(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def validation_problems(root: type[BaseModel], e: ValidationError) -> list[tuple[str, str]]:
+def without_excess_unknown(root: type[BaseModel], obj: Any) -> tuple[Any, int]:
+    """`obj` with the unknown fields of each section past its first MAX_LISTED + 1 left
+    out, and how many were left out. pydantic builds every error of a validation in one
+    call that holds the GIL (50,000 unknown fields: ~0.1 s in which no other thread of the
+    API, its event loop included, runs); this Python pass bounds that call. The kept ones
+    still fail the validation, so `validation_problems(..., dropped=n)` counts the rest."""
+    if not isinstance(obj, dict):
+        return obj, 0
+    known = root.model_fields
+    out: dict[Any, Any] = {}
+    unknown = dropped = 0
+    for key, value in obj.items():
+        field = known.get(key) if isinstance(key, str) else None
+        if field is not None:
+            sub = _submodel(field.annotation)
+            if sub is not None:
+                value, n = without_excess_unknown(sub, value)
+                dropped += n
+            out[key] = value
+        elif unknown < MAX_LISTED + 3:
+            unknown += 1
+            out[key] = value
+        else:
+            dropped += 1
+    return (obj if not dropped else out), dropped
+
+
+def validation_problems(
+    root: type[BaseModel], e: ValidationError, dropped: int = 0
+) -> list[tuple[str, str]]:
     """Every error of a failed `root.model_validate` as `(field, message)` pairs; problems
-    a model's own check raised as `spec_problems` are listed one by one."""
+    a model's own check raised as `spec_problems` are listed one by one. Past MAX_LISTED,
+    the rest are counted, not worded: one last pair says how many more there are.
+    `dropped`: unknown fields `without_excess_unknown` left out before the validation."""
     problems: list[tuple[str, str]] = []
-    for err in e.errors():
+    errors = e.errors(include_url=False, include_context=True, include_input=True)
+    for n, err in enumerate(errors):
+        if len(problems) >= MAX_LISTED:
+            return [*problems, _more(root, errors[n:], dropped)]
         loc = _field_loc(root, tuple(err["loc"]))
         if err["type"] == "spec_problems":
             problems += [(_path((*loc, f)), m) for f, m in err["ctx"]["problems"]]
         else:
             problems.append((_path(loc), _message(root, err)))
+    if dropped:
+        problems.append(("spec", f"and {dropped} more unknown fields"))
     return problems
+
+
+def _more(root: type[BaseModel], rest: list[Any], dropped: int = 0) -> tuple[str, str]:
+    """The problems not worded, as one: how many, and the first few fields named."""
+    named = [_path(_field_loc(root, tuple(err["loc"]))) for err in rest[:3]]
+    unknown = sum(1 for err in rest if err["type"] == "extra_forbidden") + dropped
+    total = len(rest) + dropped
+    what = "unknown fields" if unknown == total else "problems"
+    shown = ", ".join(named) + (", …" if total > len(named) else "")
+    return "spec", f"and {total} more {what} ({shown})"

@@ -44,6 +44,18 @@ def need_service(name: str, host: str, port: int) -> None:
     pytest.skip(msg)
 
 
+@pytest.fixture(autouse=True)
+def _own_umask() -> Iterator[None]:
+    """Every test starts with the umask the run started with and leaves it so: the service
+    entry points set 077 in their process (torchyard.settings.private_umask), and a test
+    that calls one in-process must not make the next test's files private (a data set
+    written under 077 is unreadable by the sandbox's user)."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield
+    os.umask(old)
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for this test session, dropped at the end."""

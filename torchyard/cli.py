@@ -27,9 +27,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "data sets in the data root: `data import NAME FILE…` (official archives), `data list`",
     ),
     "token": (
-        "torchyard.store.cli",
-        "token_main",
-        "API tokens: `token create --user NAME [--admin] [--can-run-code]`",
+        "torchyard.client.cli",
+        "main",
+        "API tokens over the API: `token list`, `token create --user NAME` (admins), "
+        "`token revoke ID`; the first admin's: `token create --local --user NAME --admin`",
     ),
     "submit": ("torchyard.client.cli", "main", "submit a job spec (JSON or YAML)"),
     "status": ("torchyard.client.cli", "main", "show a job"),
@@ -73,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchyard: unknown command '{cmd}'\n\n{usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[cmd]
+    if cmd == "token" and "--local" in argv:  # the first admin: straight into the database
+        module, func, argv = (
+            "torchyard.store.cli",
+            "token_main",
+            [a for a in argv if a != "--local"],
+        )
     fn = getattr(importlib.import_module(module), func)
     # Client commands parse the command name themselves; server commands get the rest.
     rc = fn(argv) if module == "torchyard.client.cli" else fn(argv[1:])

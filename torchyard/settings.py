@@ -6,11 +6,13 @@ embedded broker that needs no server, local storage and CPU workers.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +40,12 @@ class Settings(BaseSettings):
     """TORCHYARD_MAX_WORLD_SIZE: largest world_size a job may ask for."""
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     """TORCHYARD_MAX_BODY_BYTES: larger request bodies get 413."""
+    max_json_depth: int = Field(default=64, ge=2, le=1000)
+    """TORCHYARD_MAX_JSON_DEPTH: a JSON request body nested deeper (arrays and objects) is
+    refused with 422 before it is parsed (the parsers recurse once per level)."""
+    max_streams_per_user: int = Field(default=20, ge=1)
+    """TORCHYARD_MAX_STREAMS_PER_USER: event streams (SSE) one user may hold open at once
+    in one API process; the next gets 429 with Retry-After."""
     api_threads: int = Field(default_factory=lambda: min(8, max(2, os.cpu_count() or 2)), ge=1)
     """TORCHYARD_API_THREADS: threads the API runs blocking store calls on (default: the
     cores, 2 to 8)."""
@@ -91,11 +99,59 @@ class Settings(BaseSettings):
     max_bundle_bytes: int = Field(default=200 * 1024**2, ge=1024)
     """TORCHYARD_MAX_BUNDLE_BYTES: largest code bundle, both as uploaded (gzip, 413) and
     unpacked (422), so a small archive that inflates cannot fill the workers' disks."""
+    max_bundle_storage_bytes: int = Field(default=2 * 1024**3, ge=1024)
+    """TORCHYARD_MAX_BUNDLE_STORAGE_BYTES: the bytes of code bundles (as uploaded) one user
+    may keep; an upload past it is refused (413) until old bundles are removed."""
+    bundle_retention_s: float = Field(default=30 * 86_400.0, gt=0)
+    """TORCHYARD_BUNDLE_RETENTION_S: a bundle neither uploaded nor named by a submitted job
+    for this long, and named by no queued or running job or active sweep, is removed by
+    the scheduler (default 30 days)."""
     metrics_page_points: int = Field(default=10_000, ge=100)
     """TORCHYARD_METRICS_PAGE_POINTS: most points per series a metrics response returns when
     `max_points` is not given; the rest is paged with `after_step`."""
+    max_event_line_bytes: int = Field(default=64 * 1024, ge=1024)
+    """TORCHYARD_MAX_EVENT_LINE_BYTES: longest line of a job's events.jsonl the worker reads;
+    a longer one is set aside (counted, reported in the job log and its attempt's reason)."""
+    max_metric_name_chars: int = Field(default=100, ge=1, le=100)
+    """TORCHYARD_MAX_METRIC_NAME_CHARS: longest metric name a job may log (at most 100, the
+    store's column); a longer one is set aside, never cut to fit."""
+    max_metric_names: int = Field(default=1000, ge=1)
+    """TORCHYARD_MAX_METRIC_NAMES: distinct metric names one job may log; points of any
+    further name are set aside."""
+    max_run_dir_bytes: int = Field(default=20 * 1024**3, ge=1024**2)
+    """TORCHYARD_MAX_RUN_DIR_BYTES: most bytes a job's run directory may hold (checkpoints,
+    logs, whatever its code writes); over it the worker stops the trainer and fails the job
+    with the error kind `run_dir_full` (the job's own, not a fault of the host)."""
+    trainer_memory_bytes: int | None = Field(default=None, ge=64 * 1024**2)
+    """TORCHYARD_TRAINER_MEMORY_BYTES: the memory limit of each trainer's own memory cgroup
+    (worker/cgroups.py), where the host has cgroups; over it the kernel kills the trainer
+    alone and the job fails as `out_of_memory`. Default: 90% of the worker's own cgroup
+    limit if it has one, else 90% of the host's memory."""
+    sandbox: Literal["on", "off"] = "on"
+    """TORCHYARD_SANDBOX: `on` runs every trainer inside bubblewrap (worker/sandbox.py): no
+    TORCHYARD_HOME, no other job's files, no worker environment. `off` (an admin's explicit
+    choice) runs trainers with the worker's rights. Where a host cannot sandbox, its workers
+    say so at start and refuse jobs that run user code unless this is `off`."""
+    sandbox_uid: int = Field(default=64000, ge=1, le=2**31 - 2)
+    """TORCHYARD_SANDBOX_UID: the unprivileged host uid (and gid) a root worker's trainers
+    run as; never 0, and no account is needed. A worker that is not root runs them as
+    uid 1000 of a user namespace instead."""
+    max_log_bytes: int = Field(default=256 * 1024**2, ge=4096)
+    """TORCHYARD_MAX_LOG_BYTES: most bytes a job's log keeps; past it the log is cut with a
+    marker line and further output is dropped while the job goes on."""
     queue_prefix: str = Field(default="torchyard", pattern=r"^[A-Za-z0-9_.-]+$")
     """TORCHYARD_QUEUE_PREFIX: prefix of every broker queue name (one prefix per cluster)."""
+    metrics_token: str | None = Field(default=None, min_length=16, max_length=200)
+    """TORCHYARD_METRICS_TOKEN: a bearer token (16 characters or more) that may read
+    `/metrics` without being a user, for a Prometheus scraper (default none: admins only)."""
+    trusted_proxies: str = ""
+    """TORCHYARD_TRUSTED_PROXIES: comma-separated IPs or CIDRs of reverse proxies whose
+    `X-Forwarded-Proto` is believed (default none): a login cookie is `Secure` when the
+    request came over https directly, or through one of these saying it did."""
+    api_docs: bool = False
+    """TORCHYARD_API_DOCS: serve the interactive API docs at `/docs` and `/redoc` (off by
+    default: their pages load scripts from a third-party CDN on the dashboard's origin;
+    `/openapi.json` is always served and any OpenAPI viewer reads it)."""
 
     @field_validator("database_url")
     @classmethod
@@ -115,6 +171,18 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"TORCHYARD_BROKER_URL must start with one of {', '.join(BROKER_SCHEMES)}"
             )
+        return v
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies(cls, v: str) -> str:
+        for part in _split(v):
+            try:
+                ipaddress.ip_network(part, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"TORCHYARD_TRUSTED_PROXIES: {part!r} is not an IP address or CIDR"
+                ) from None
         return v
 
     @model_validator(mode="after")
@@ -144,9 +212,21 @@ class Settings(BaseSettings):
         return (self.data_root or self.home / "data").resolve()
 
     @property
+    def trusted_proxy_networks(self) -> tuple[IPNetwork, ...]:
+        """TORCHYARD_TRUSTED_PROXIES parsed (checked at start)."""
+        return tuple(ipaddress.ip_network(p, strict=False) for p in _split(self.trusted_proxies))
+
+    @property
     def broker_dir(self) -> Path:
         """Folder of the embedded filesystem broker."""
         return (self.home / "broker").resolve()
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _split(value: str) -> list[str]:
+    return [p.strip() for p in value.split(",") if p.strip()]
 
 
 @lru_cache(maxsize=1)
@@ -166,6 +246,13 @@ def load_settings() -> Settings | None:
         for err in e.errors():
             print(f"torchyard: bad setting: {err['msg']}", file=sys.stderr)
         return None
+
+
+def private_umask() -> int:
+    """Files and folders this process creates are its user's alone (umask 077): the
+    database, the broker's messages, tokens, run directories and logs. Every service
+    command (api, scheduler, worker, up, db, token) calls it first; returns the old mask."""
+    return os.umask(0o077)
 
 
 def setup_logging(level: str) -> None:

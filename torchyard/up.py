@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from torchyard.contracts.parent import die_with_parent
+from torchyard.settings import private_umask
 
 READY_TIMEOUT_S = 90.0
 # A worker gets this long after SIGTERM to checkpoint its trainer and hand the job back.
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.workers is not None and args.workers < 0:
         p.error("--workers must be >= 0")
+    private_umask()  # the home, the database, logs and run files: this user's alone
     try:
         return Up(args).run()
     except UpError as e:

@@ -5,6 +5,10 @@ An upload is streamed to a temporary file in the storage's staging folder for bu
 (store/bundlefiles.py: check_archive refuses anything hostile) and only then stored as
 `bundles/<sha256>.tar.gz` (on local storage, a rename). Nothing is written anywhere else,
 and nothing of a refused or interrupted upload is left behind.
+
+Uploading needs the permission to run one's own code (a bundle is nothing else), and what a
+user keeps is bounded by TORCHYARD_MAX_BUNDLE_STORAGE_BYTES (413 past it; the scheduler
+removes bundles unused for TORCHYARD_BUNDLE_RETENTION_S: store/bundles.py).
 """
 
 from __future__ import annotations
@@ -16,17 +20,31 @@ from pathlib import Path
 from typing import IO
 
 from fastapi import APIRouter, Request, Response
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
+from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SettingsDep
 from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.schemas import BundleOut
 from torchyard.settings import Settings
 from torchyard.storage import Storage, storage_for
 from torchyard.storage.keys import BUNDLES
-from torchyard.store.bundlefiles import BundleRejected, Manifest, archive_key, check_archive
-from torchyard.store.bundles import get_bundle, record_bundle, write_bundle_names
+from torchyard.store.bundlefiles import (
+    BundleRejected,
+    Manifest,
+    archive_key,
+    check_archive,
+    names_key,
+)
+from torchyard.store.bundles import (
+    BundleQuotaExceeded,
+    get_bundle,
+    record_bundle,
+    storage_used,
+    write_bundle_names,
+)
+from torchyard.store.models import Bundle
 
 router = APIRouter(prefix="/v1/bundles", tags=["bundles"])
 
@@ -50,6 +68,39 @@ def _too_large(limit: int) -> ApiError:
         details={"limit_bytes": limit},
         headers={"Connection": "close"},
     )
+
+
+def _may_upload(user: Principal) -> None:
+    """403 for a user who may not run their own code: a bundle is only ever run."""
+    if not (user.is_admin or user.can_run_code):
+        raise ApiError(
+            403,
+            "uploading a code bundle needs the permission to run your own code; an admin "
+            "grants it with `torchyard token create --user NAME --can-run-code`",
+            code="forbidden",
+        )
+
+
+def _over_quota(e: BundleQuotaExceeded) -> ApiError:
+    return ApiError(
+        413,
+        str(e),
+        code="quota_exceeded",
+        details={"used_bytes": e.used, "bytes": e.size, "limit_bytes": e.quota},
+    )
+
+
+def _quota_check(
+    factory: sessionmaker[Session], settings: Settings, owner_id: int, bundle_id: str, size: int
+) -> None:
+    """413 before the archive is checked when a bundle new to the owner would take them
+    past their storage quota (checked again, under a lock, when the row is written)."""
+    with factory() as session:
+        if get_bundle(session, owner_id, bundle_id) is not None:
+            return  # uploaded before: counted already
+        used, quota = storage_used(session, owner_id), settings.max_bundle_storage_bytes
+    if used + size > quota:
+        raise _over_quota(BundleQuotaExceeded(used, size, quota))
 
 
 def _check_headers(request: Request, limit: int) -> None:
@@ -119,10 +170,26 @@ def _keep(tmp: Path, settings: Settings, bundle_id: str, names: list[str]) -> No
 
 
 def _record(
-    factory: sessionmaker[Session], owner_id: int, bundle_id: str, size: int, files: int
+    factory: sessionmaker[Session],
+    settings: Settings,
+    owner_id: int,
+    bundle: tuple[str, int, int],
 ) -> bool:
+    """Write the owner's row (bundle: id, bytes, files); True when new. Over the quota
+    (a concurrent upload took the room): 413, and the kept archive is removed when no row
+    of its id is left to need it."""
+    bundle_id, size, files = bundle
+    quota = settings.max_bundle_storage_bytes
     with factory() as session:
-        created = record_bundle(session, owner_id, bundle_id, size, files)
+        try:
+            created = record_bundle(session, owner_id, bundle_id, size, files, quota=quota)
+        except BundleQuotaExceeded as e:
+            session.rollback()
+            if session.scalar(select(Bundle.id).where(Bundle.id == bundle_id).limit(1)) is None:
+                storage = storage_for(settings)
+                storage.delete(archive_key(bundle_id))
+                storage.delete(names_key(bundle_id))
+            raise _over_quota(e) from None
         session.commit()
         return created
 
@@ -144,31 +211,38 @@ def _record(
         "is refused with 422 naming it. The bundle's id is the sha256 of the body: name it "
         "in a job as `code.bundle`. 201 for a bundle new to you; 200 with the same body "
         "when you had uploaded it before. A job may name only bundles its owner uploaded "
-        "(admins: any)."
+        "(admins: any). Uploading needs the permission to run your own code (403). Your "
+        "bundles may take at most TORCHYARD_MAX_BUNDLE_STORAGE_BYTES in all (413, code "
+        "`quota_exceeded`); a bundle neither uploaded again nor named by a submitted job for "
+        "TORCHYARD_BUNDLE_RETENTION_S, and named by no queued or running job, is removed."
     ),
     responses={
         200: {"model": BundleOut, "description": "you had uploaded this bundle before"},
-        **responses(401, 413, 415, 422, 503),
+        **responses(401, 403, 413, 415, 422, 503),
     },
 )
 async def upload_bundle(
     request: Request, response: Response, user: CurrentUser, settings: SettingsDep
 ) -> BundleOut:
+    _may_upload(user)
     _check_headers(request, settings.max_bundle_bytes)
     out, tmp = await run_in_threadpool(_open_temp, storage_for(settings))
+    state = request.app.state
     try:
         try:
             size, bundle_id = await _receive(request, out, settings.max_bundle_bytes)
         finally:
             await run_in_threadpool(out.close)
+        await run_in_threadpool(
+            _quota_check, state.read_sessions, settings, user.id, bundle_id, size
+        )
         manifest = await run_in_threadpool(_check, tmp, settings)
         await run_in_threadpool(_keep, tmp, settings, bundle_id, manifest.names)
     finally:
         # Gone already when it was kept; a refused, duplicate or broken upload ends here.
         await run_in_threadpool(tmp.unlink, missing_ok=True)
-    created = await run_in_threadpool(
-        _record, request.app.state.sessions, user.id, bundle_id, size, manifest.files
-    )
+    bundle = (bundle_id, size, manifest.files)
+    created = await run_in_threadpool(_record, state.sessions, settings, user.id, bundle)
     if not created:
         response.status_code = 200
     return BundleOut(id=bundle_id, bytes=size, files=manifest.files)

@@ -73,7 +73,8 @@ def list_checkpoints_route(
         "`Accept-Ranges`. One byte range (`Range: bytes=a-b`, `a-`, `-n`) gives 206 with "
         "Content-Range, a range past the end 416; several ranges are ignored (200, whole "
         "file). `If-None-Match` with the ETag gives 304; `If-Range` is honoured. A stored "
-        "path that resolves outside the job's directory is refused (404), never served."
+        "path that leaves the job's directory, or goes through a symbolic link, is refused "
+        "(404, `file_refused`), never served."
     ),
     responses={
         200: {"content": {"application/octet-stream": {}}, "description": "the whole file"},
@@ -106,20 +107,14 @@ def download_checkpoint(
     if row is None:
         raise not_found("checkpoint")
     storage = storage_for(settings)
-    try:
-        path = checkpoint_file(storage, row)
-    except UnsafePath as e:
-        log.warning("refused to serve checkpoint %s of job %s: %s", row.id, job_id, e)
-        raise ApiError(
-            404, "checkpoint file refused: its path leaves the job's directory", code="file_refused"
-        ) from None
-    except OSError:
-        raise _gone() from None
     name = f"{job_id}-{PurePosixPath(row.path).name}"
     etag = f'"{row.sha256}"'
     try:
-        if path is not None:  # a local file: FileResponse (sendfile, its own Range)
-            return file_response(path, etag=etag, filename=name, if_none_match=if_none_match)
+        if checkpoint_file(storage, row) is not None:
+            # A local file: opened once, no link followed; FileResponse serves that
+            # descriptor (its own Range), never the path again.
+            opened = storage.open_read(checkpoint_key(row))
+            return file_response(opened, etag=etag, filename=name, if_none_match=if_none_match)
         return stored_response(
             storage,
             checkpoint_key(row),
@@ -129,8 +124,15 @@ def download_checkpoint(
             range_=range_,
             if_range=if_range,
         )
-    except (FileNotFoundError, NotADirectoryError):
-        # keep_last pruned it between the check above and the open: the same answer.
+    except UnsafePath as e:
+        log.warning("refused to serve checkpoint %s of job %s: %s", row.id, job_id, e)
+        raise ApiError(
+            404,
+            "checkpoint file refused: its path leaves the job's directory or is a link",
+            code="file_refused",
+        ) from None
+    except OSError:
+        # keep_last pruned it between the check and the open: the same answer.
         raise _gone() from None
 
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import CurrentUser
-from torchyard.api.errors import error_response, responses
+from torchyard.api.deps import current_user
+from torchyard.api.errors import ApiError, error_response, responses
 from torchyard.api.schemas import Health, Readiness
 from torchyard.broker import app as broker
+from torchyard.settings import Settings
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
@@ -70,17 +73,38 @@ async def readyz(request: Request) -> Response:
     )
 
 
+async def _scraper(request: Request) -> None:
+    """Who may read the pool-wide counts: the scrape token (TORCHYARD_METRICS_TOKEN, compared
+    in constant time) or an admin; any other user is 403."""
+    settings: Settings = request.app.state.settings
+    scheme, sent = get_authorization_scheme_param(request.headers.get("Authorization"))
+    wanted = settings.metrics_token
+    bearer = sent if scheme.lower() == "bearer" else ""
+    if wanted and bearer and hmac.compare_digest(bearer.encode(), wanted.encode()):
+        return
+    user = await current_user(request)
+    if not user.is_admin:
+        raise ApiError(
+            403,
+            "metrics are for admins or the scrape token (TORCHYARD_METRICS_TOKEN)",
+            code="forbidden",
+        )
+
+
 @router.get(
     "/metrics",
     response_class=Response,
     summary="Prometheus metrics",
+    description="Jobs and workers by state and request counters, for the whole pool: an "
+    "admin's token, or `Authorization: Bearer` with TORCHYARD_METRICS_TOKEN (a scraper that "
+    "is no user).",
     responses={
         200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
-        **responses(401),
+        **responses(401, 403),
     },
 )
-async def prometheus_metrics(request: Request, user: CurrentUser) -> Response:
-    del user
+async def prometheus_metrics(request: Request) -> Response:
+    await _scraper(request)
     registry: CollectorRegistry = request.app.state.prometheus
     body = await run_in_threadpool(generate_latest, registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

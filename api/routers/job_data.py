@@ -3,20 +3,22 @@ range; live events: job_events)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
 
 from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
-from torchyard.api.errors import not_found, responses, validation_error
+from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.schemas import LogChunk, MetricsOut, Series
 from torchyard.api.views import etag, etag_matches
-from torchyard.storage import job_key, storage_for
+from torchyard.storage import UnsafePath, job_key, storage_for
 from torchyard.store.jobs import get_job, job_version
 from torchyard.store.metrics import query_page, query_series
 from torchyard.store.paths import LOG_FILE
 from torchyard.store.states import TERMINAL
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["job data"])
 
 MAX_POINTS_LIMIT = 10_000
@@ -106,7 +108,8 @@ def _utf8_cut(chunk: bytes) -> int:
     summary="The trainer's output",
     description=(
         "Bytes `offset` to `offset + limit` of the job's log (all attempts, one header line "
-        "each), as text. Follow with `offset = next_offset` until `complete`."
+        "each), as text. Follow with `offset = next_offset` until `complete`. A log the job "
+        "replaced with a symbolic link is never followed: 404 `file_refused`."
     ),
     responses=responses(401, 404, 422, 503),
 )
@@ -127,6 +130,15 @@ def get_logs(
         chunk, size = storage_for(settings).read_range(job_key(job.id, LOG_FILE), offset, limit)
     except (FileNotFoundError, NotADirectoryError):
         return LogChunk(data="", offset=0, next_offset=0, size=0, complete=terminal)
+    except (UnsafePath, PermissionError) as e:
+        # The job replaced its log with a link (or made it unreadable): never followed.
+        log.warning("refused to serve the log of job %s: %s", job.id, e)
+        raise ApiError(
+            404,
+            f"the job's log ({LOG_FILE}) is refused: it is not a plain file of the job's "
+            "directory (a symbolic link?)",
+            code="file_refused",
+        ) from None
     start = min(offset, size)
     if start + len(chunk) < size:
         chunk = chunk[: _utf8_cut(chunk)]

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from torchyard.api.deps import CurrentUser, Principal
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.fanout import FeedHub
+from torchyard.api.streams import guarded_stream
 from torchyard.store.feed import BadFeedCursor, FeedCursor
 from torchyard.store.jobs import get_job
 
@@ -39,11 +40,13 @@ def _visible(factory: sessionmaker[Session], user: Principal, job_id: str) -> bo
         "`status` event (`pending_reason`, `log_size` in bytes; no `id:`) comes first and "
         "again whenever either changes, so a follower knows when to read more of the log "
         "(`GET /v1/jobs/{id}/logs`). The stream ends with an `end` event once the job has "
-        "ended and everything was sent."
+        "ended and everything was sent. A user may hold TORCHYARD_MAX_STREAMS_PER_USER "
+        "streams open at once (429 with Retry-After past it); a stream ends within seconds "
+        "of its token being revoked or its dashboard session logged out."
     ),
     responses={
         200: {"content": {"text/event-stream": {}}, "description": "the event stream"},
-        **responses(401, 404, 422, 503),
+        **responses(401, 404, 422, 429, 503),
     },
 )
 async def job_events(
@@ -62,8 +65,9 @@ async def job_events(
     if not await run_in_threadpool(_visible, request.app.state.read_sessions, user, job_id):
         raise not_found()
     hub: FeedHub = request.app.state.feed_hub
+    frames = hub.follow(job_id, cursor, request.app.state.feed_poll_s)
     return EventSourceResponse(
-        hub.follow(job_id, cursor, request.app.state.feed_poll_s),
+        guarded_stream(request, user, frames),  # the user's stream cap (429), revocation
         headers={"Cache-Control": "no-cache"},
         ping=PING_S,
     )

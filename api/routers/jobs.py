@@ -3,7 +3,6 @@ every rule, the store); this router reads the body, answers and wakes the schedu
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
@@ -20,12 +19,14 @@ from torchyard.api.deps import (
     read_engine,
 )
 from torchyard.api.errors import not_found, responses, validation_error
+from torchyard.api.jsonlimits import decode_body
 from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
 from torchyard.broker import app as broker
 from torchyard.scheduler import submit
 from torchyard.settings import Settings
 from torchyard.store.asyncreads import AsyncReads
+from torchyard.store.bundles import touch_bundles
 from torchyard.store.jobs import (
     BadCursor,
     get_job,
@@ -51,18 +52,22 @@ def _submit(
     sessions: tuple[sessionmaker[Session], sessionmaker[Session]],
     settings: Settings,
     user: Principal,
-    obj: Any,
+    raw: bytes,
     key: str | None,
 ) -> tuple[SubmittedJob, bool]:
-    """The submit service (scheduler/submit.py) in one worker-thread hop: checked on a read
-    session (a reference lookup never takes SQLite's write lock), stored on a write session,
-    its warnings read after the commit. Returns the answer and whether the scheduler must be
-    woken; a refusal (SubmitRefused) is answered by api/errors.py."""
+    """The submit service (scheduler/submit.py) in one worker-thread hop: the body decoded
+    (its depth bounded), checked on a read session (a reference lookup never takes SQLite's
+    write lock), stored on a write session, its warnings read after the commit. Returns the
+    answer and whether the scheduler must be woken; a refusal (SubmitRefused) is answered by
+    api/errors.py."""
+    obj = decode_body(raw, settings.max_json_depth, "spec")
     read_sessions, write_sessions = sessions
     with read_sessions() as reads:
         admitted = submit.Admission(reads, settings, user).admit(obj)
     with write_sessions() as session:
         done = submit.enqueue(session, admitted, key=key)
+        if done.created and done.spec.code is not None:
+            touch_bundles(session, [done.spec.code.bundle])  # used: kept past the retention
         session.commit()
         out = _snapshot_out(session, user, done.job.id)
         warnings = submit.warnings(session, settings, done.spec)
@@ -126,13 +131,11 @@ async def submit_job(
     ] = None,
 ) -> SubmittedJob:
     raw = await request.body()
-    try:
-        obj = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise validation_error([("body", f"not valid JSON: {e}")], "spec") from None
     state = request.app.state  # read now: tests swap the sessions
     sessions = (state.read_sessions, state.sessions)
-    job, wake = await run_in_threadpool(_submit, sessions, settings, user, obj, idempotency_key)
+    # Decoding and checking the spec are CPU work bounded by the body's size: off the
+    # event loop, with the store calls, in one thread hop.
+    job, wake = await run_in_threadpool(_submit, sessions, settings, user, raw, idempotency_key)
     if wake:
         background.add_task(broker.wake_scheduler, settings)
     else:  # the job first stored with this Idempotency-Key

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
 from torchyard.api.errors import responses
 from torchyard.api.schemas import QueueCounts, QueueItem, QueueOut, QueueUsage, UserUsage
+from torchyard.api.views import owner_reason
 from torchyard.scheduler.cycle import QueueEntry, queue_order
 from torchyard.scheduler.fairshare import FairShare
 from torchyard.store.dialect import db_now
@@ -34,8 +35,9 @@ PER_USER = 1000
     "(users who used the pool least lately, per unit of share, first), then age, with each "
     "one's pending reason and its owner's usage (worker-hours decayed with the half-life, "
     "TORCHYARD_FAIRSHARE_HALF_LIFE_S). Admins see every job and every user with queued "
-    "jobs; a user sees only their own jobs (with their positions in the whole queue) and "
-    "their own usage and quota; `counts` covers the whole queue for both.",
+    "jobs; a user sees only their own jobs (with their positions in the whole queue), "
+    "their own usage and quota, and pending reasons that name no other user's job, name or "
+    "usage; `counts` covers the whole queue for both.",
     responses=responses(401, 422, 503),
 )
 def queue_route(
@@ -60,7 +62,7 @@ def queue_route(
         )
     usage = _usage(session, owners, usage_s)
     return QueueOut(
-        items=_items(session, shown, fs),
+        items=_items(session, shown, fs, full_reasons=user.is_admin),
         counts=QueueCounts(
             queued=sum(counts.values()), users=len(counts), mine=counts.get(user.id, 0)
         ),
@@ -84,7 +86,11 @@ def _usage(session: Session, owners: set[int], usage_s: dict[int, float]) -> dic
     return out
 
 
-def _items(session: Session, shown: list[QueueEntry], fs: FairShare) -> list[QueueItem]:
+def _items(
+    session: Session, shown: list[QueueEntry], fs: FairShare, full_reasons: bool
+) -> list[QueueItem]:
+    """The listed jobs; without `full_reasons` (a non-admin) their pending reasons name no
+    other user's job, name or usage (api/views.py: owner_reason)."""
     names = job_names(session, [e.job.id for e in shown])
     return [
         QueueItem(
@@ -94,7 +100,9 @@ def _items(session: Session, shown: list[QueueEntry], fs: FairShare) -> list[Que
             owner=e.owner,
             priority=e.job.priority,
             world_size=e.job.world_size,
-            pending_reason=e.job.pending_reason,
+            pending_reason=e.job.pending_reason
+            if full_reasons
+            else owner_reason(e.job.pending_reason, e.job.id, e.owner),
             created_at=e.job.created_at,
             usage=QueueUsage(worker_hours=e.usage_s / 3600, share=_share(fs, e.job.owner_id)),
         )

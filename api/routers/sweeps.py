@@ -9,7 +9,6 @@ refusal (403) is answered by api/errors.py."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Query, Request
@@ -19,12 +18,15 @@ from starlette.concurrency import run_in_threadpool
 
 from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
 from torchyard.api.errors import not_found, responses, validation_error
+from torchyard.api.jsonlimits import decode_body
 from torchyard.api.sweep_schemas import SweepIn, SweepList, SweepOut, input_problems
 from torchyard.broker import app as broker
 from torchyard.contracts import spec as job_spec
+from torchyard.contracts.specerrors import MAX_LISTED, without_excess_unknown
 from torchyard.scheduler import space as sp
 from torchyard.scheduler import submit
 from torchyard.settings import Settings
+from torchyard.store.bundles import sweep_bundles, touch_bundles
 from torchyard.store.jobs import BadCursor
 from torchyard.store.sweeps import (
     SWEEP_STATES,
@@ -106,14 +108,30 @@ def _objective_problems(s: SweepIn, spec: job_spec.JobSpec) -> Problems:
     return []
 
 
+def _decoded(raw: bytes, settings: Settings) -> SweepIn:
+    """The request body as a sweep, or 422 (not JSON, nested too deep, not a sweep)."""
+    obj = decode_body(raw, settings.max_json_depth, "sweep")
+    bounded, dropped = without_excess_unknown(SweepIn, obj)  # keeps pydantic's call short
+    try:
+        return SweepIn.model_validate(bounded)
+    except ValidationError as e:
+        problems = input_problems(e)
+        if len(problems) + dropped > MAX_LISTED:  # 50,000 unknown fields: say how many
+            more = ("body", f"and {len(problems) + dropped - MAX_LISTED} more problems")
+            problems = [*problems[:MAX_LISTED], more]
+        raise validation_error(problems, "sweep") from None
+
+
 def _checked(
-    factory: sessionmaker[Session], settings: Settings, user: Principal, s: SweepIn
+    factory: sessionmaker[Session], settings: Settings, user: Principal, raw: bytes
 ) -> NewSweep:
     """The sweep to store, or 422 naming every problem (SubmitRefused: what the user may not
-    do, such as run code without the permission)."""
+    do, such as run code without the permission). Blocking: a worker thread's."""
+    s = _decoded(raw, settings)
     with factory() as session:
         check = submit.Admission(session, settings, user)
         spec, problems = check.check(s.spec)
+        check.check_sweep(s.spec, s.space)  # priority and preemptible over every trial
         problems = [(f"spec.{f}", m) for f, m in problems] + _space_problems(s)
         if spec is not None and not problems:
             problems = _objective_problems(s, spec) + _corner_problems(check, s.spec, s.space)
@@ -138,6 +156,7 @@ def _checked(
 def _store(factory: sessionmaker[Session], user: Principal, new: NewSweep) -> SweepOut:
     with factory() as session:
         sweep = create_sweep(session, user.id, new)
+        touch_bundles(session, sweep_bundles(new.spec, new.space))  # kept past the retention
         session.commit()
         return _out(session, user, sweep.id)
 
@@ -166,17 +185,8 @@ async def create_sweep_route(
     request: Request, user: CurrentUser, settings: SettingsDep, background: BackgroundTasks
 ) -> SweepOut:
     raw = await request.body()
-    try:
-        obj = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise validation_error([("body", f"not valid JSON: {e}")], "sweep") from None
-    try:
-        sweep_in = SweepIn.model_validate(obj)
-    except ValidationError as e:
-        raise validation_error(input_problems(e), "sweep") from None
-    new = await run_in_threadpool(
-        _checked, request.app.state.read_sessions, settings, user, sweep_in
-    )
+    # Decoding and every check are CPU work bounded by the body's size: off the event loop.
+    new = await run_in_threadpool(_checked, request.app.state.read_sessions, settings, user, raw)
     out = await run_in_threadpool(_store, request.app.state.sessions, user, new)
     background.add_task(broker.wake_scheduler, settings)
     return out

@@ -13,6 +13,7 @@ and is good for one exchange within five minutes.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -129,6 +130,27 @@ class SessionOut(BaseModel):
     )
 
 
+def came_over_tls(request: Request) -> bool:
+    """Whether the browser's request came over https: to this server directly, or to a
+    reverse proxy in TORCHYARD_TRUSTED_PROXIES that says so in `X-Forwarded-Proto` (its
+    last value: the one the nearest proxy set). Anyone else's header is ignored."""
+    if request.url.scheme == "https":
+        return True
+    proxies = request.app.state.settings.trusted_proxy_networks
+    if not proxies or request.client is None:
+        return False
+    try:
+        peer = ipaddress.ip_address(request.client.host)
+    except ValueError:
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        peer = peer.ipv4_mapped
+    if not any(peer in net for net in proxies):
+        return False
+    sent = request.headers.get("x-forwarded-proto", "").split(",")[-1].strip().lower()
+    return sent == "https"
+
+
 def _bearer_token(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
@@ -213,7 +235,7 @@ async def open_session(
         max_age=int(SESSION_TTL_S),
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=came_over_tls(request),
         path="/",
     )
     response.headers["Cache-Control"] = "no-store"
@@ -263,5 +285,7 @@ async def log_out(request: Request, user: CurrentUser) -> Response:
         await run_in_threadpool(_end, request.app.state.sessions, cookie)
         cache: TokenCache = request.app.state.token_cache
         cache.drop("session:" + hash_token(cookie))
-    out.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+    out.delete_cookie(
+        SESSION_COOKIE, path="/", httponly=True, samesite="strict", secure=came_over_tls(request)
+    )
     return out

@@ -16,7 +16,9 @@ from sse_starlette import EventSourceResponse
 from torchyard.api.deps import CurrentUser, ReadSessionDep
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.schemas import Progress
+from torchyard.api.streams import guarded_stream
 from torchyard.api.ui_feed import JobChanges
+from torchyard.api.views import owner_reason
 from torchyard.contracts.states import JobState
 from torchyard.store.jobs import get_job
 from torchyard.store.states import STATES
@@ -59,9 +61,11 @@ def _finite(v: float | None) -> float | None:
 
 def _row(r: dict[str, Any]) -> TableRow:
     progress = r["progress"] if isinstance(r["progress"], dict) else None
+    reason = owner_reason(r["pending_reason"], r["id"], r["owner"])  # api/views.py
     return TableRow.model_validate(
-        {**r, "progress": progress, "latest": {k: _finite(v) for k, v in r["latest"].items()}}
-    )
+        {**r, "progress": progress, "latest": {k: _finite(v) for k, v in r["latest"].items()},
+         "pending_reason": reason}
+    )  # fmt: skip
 
 
 @router.get(
@@ -97,7 +101,7 @@ def jobs_table(
     summary="The jobs table's live stream",
     description='Server-sent `changes` events, `{"jobs": [ids]}`: jobs the caller may see '
     "changed (state, progress, curves, attempts, new jobs). Reload the rows on each.",
-    responses={200: {"content": {"text/event-stream": {}}}, **responses(401, 503)},
+    responses={200: {"content": {"text/event-stream": {}}}, **responses(401, 429, 503)},
 )
 async def job_changes(request: Request, user: CurrentUser) -> EventSourceResponse:
     hub: JobChanges | None = getattr(request.app.state, "ui_changes", None)
@@ -106,7 +110,9 @@ async def job_changes(request: Request, user: CurrentUser) -> EventSourceRespons
         hub = JobChanges(lambda: request.app.state.read_sessions, poll_s)
         request.app.state.ui_changes = hub
     return EventSourceResponse(
-        hub.follow(user.viewer), headers={"Cache-Control": "no-cache"}, ping=PING_S
+        guarded_stream(request, user, hub.follow(user.viewer)),  # cap (429), revocation
+        headers={"Cache-Control": "no-cache"},
+        ping=PING_S,
     )
 
 

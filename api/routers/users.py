@@ -41,7 +41,8 @@ def _quota_out(user: User) -> QuotaOut:
     "/{name}/quota",
     response_model=QuotaOut,
     summary="Show a user's quota",
-    description="`max_workers`, `max_queued` (null: no limit) and the fair-share `share`. "
+    description="`max_workers`, `max_queued` (null: no limit), the fair-share `share` and "
+    "`max_priority` (the highest priority the user may give a job; default 0). "
     "Any user may read their own (`/v1/users/me/quota`); only admins another's (403).",
     responses=responses(401, 403, 404, 422, 503),
 )
@@ -74,7 +75,11 @@ def _store_quota(factory: sessionmaker[Session], name: str, changes: dict[str, A
     "that many workers (the job waits, its pending reason says why); `max_queued`: a submit "
     "while the user has that many queued jobs is 429; both are integers >= 0 (0: no job "
     "starts, or none may be submitted), null removes the limit. `share` (> 0; null: back to "
-    "1) weighs the user's fair share: usage is divided by it. Unknown fields are 422.",
+    "1) weighs the user's fair share: usage is divided by it. `max_priority` (-1000 to "
+    "1000; null: back to the default, 0) is the highest priority the user may give a job "
+    "(a submit or sweep above it is 403; admins are not limited), and protects the user's "
+    "running jobs: another user's job preempts them only with a priority above it. So by "
+    "default a user orders their own jobs and preempts nobody else's. Unknown fields are 422.",
     responses=responses(401, 403, 404, 422, 503),
 )
 async def put_quota_route(
@@ -89,6 +94,6 @@ async def put_quota_route(
     quota = await run_in_threadpool(
         _store_quota, request.app.state.sessions, _target(user, name), changes
     )
-    if changes:  # a raised max_workers or a new share may let a waiting job start now
+    if changes:  # a raised max_workers, share or max_priority may let a waiting job start
         background.add_task(broker.wake_scheduler, settings)
     return quota

@@ -37,6 +37,27 @@ def coder(db_url: str) -> Headers:
 
 
 @pytest.fixture
+def alice(db_url: str) -> Headers:
+    """Here alice and bob may run code: uploading a bundle needs it (test_hostile_bundles.py
+    checks the 403 of a user who may not)."""
+    with session_scope(db_url) as s:
+        return {"Authorization": f"Bearer {create_token(s, 'alice', can_run_code=True)}"}
+
+
+@pytest.fixture
+def bob(db_url: str) -> Headers:
+    with session_scope(db_url) as s:
+        return {"Authorization": f"Bearer {create_token(s, 'bob', can_run_code=True)}"}
+
+
+@pytest.fixture
+def plain(db_url: str) -> Headers:
+    """A user who may not run their own code."""
+    with session_scope(db_url) as s:
+        return {"Authorization": f"Bearer {create_token(s, 'dora')}"}
+
+
+@pytest.fixture
 def code_dir(tmp_path: Path) -> Path:
     d = tmp_path / "code"
     (d / "pkg").mkdir(parents=True)
@@ -225,16 +246,18 @@ def test_record_bundle_is_idempotent_under_a_race(
 
 
 def test_submitting_code_needs_the_permission(
-    client: TestClient, alice: Headers, bundle: bytes
+    client: TestClient, alice: Headers, plain: Headers, bundle: bytes
 ) -> None:
-    bid = _upload(client, alice, bundle).json()["id"]  # uploading needs no permission
+    err = _error(_upload(client, plain, bundle), 403, "forbidden")  # uploading needs it too
+    assert "torchyard token create --user NAME --can-run-code" in err["message"]
+    bid = _upload(client, alice, bundle).json()["id"]
     factory_model = copy.deepcopy(SPEC) | {"model": {"name": "mynets:small"}}
     for spec in (_script_spec(bid), factory_model, SPEC | {"code": {"bundle": bid}}):
-        err = _error(client.post("/v1/jobs", json=spec, headers=alice), 403, "forbidden")
+        err = _error(client.post("/v1/jobs", json=spec, headers=plain), 403, "forbidden")
         assert "may not run their own code" in err["message"]
         assert "torchyard token create --user NAME --can-run-code" in err["message"]
-    assert _count_jobs(client, alice) == 0
-    assert client.post("/v1/jobs", json=SPEC, headers=alice).status_code == 201
+    assert _count_jobs(client, plain) == 0
+    assert client.post("/v1/jobs", json=SPEC, headers=plain).status_code == 201
 
 
 def test_a_user_allowed_to_run_code_and_an_admin_may(
@@ -270,13 +293,15 @@ def test_token_create_can_run_code_grants_it(
     get_settings.cache_clear()
     try:
         plain = token()
-        bid = _upload(client, plain, bundle).json()["id"]
-        _error(client.post("/v1/jobs", json=_script_spec(bid), headers=plain), 403, "forbidden")
+        _error(_upload(client, plain, bundle), 403, "forbidden")
+        spec = _script_spec("ab" * 32)
+        _error(client.post("/v1/jobs", json=spec, headers=plain), 403, "forbidden")
         granted = token("--can-run-code")
         later = token()  # a token without the flag promotes nothing and takes nothing away
     finally:
         get_settings.cache_clear()
     app.state.token_cache.clear()  # the API caches a token's user for a few seconds
+    bid = _upload(client, granted, bundle).json()["id"]
     for headers in (granted, later, plain):  # the permission is the user's, not the token's
         r = client.post("/v1/jobs", json=_script_spec(bid), headers=headers)
         assert r.status_code == 201, r.text

@@ -4,12 +4,10 @@ a huge curve without max_points."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +15,9 @@ import anyio
 import anyio.to_thread
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from liveserver import live_server
 from sqlalchemy.orm import sessionmaker
 from torchyard_testdb import Factory
 
@@ -45,26 +43,6 @@ def _checkpoint(settings: Settings, db_url: str, job_id: str, size: int) -> str:
         record_checkpoint(s, job_id, attempt=1, step=1, epoch=0.0, path=rel, bytes=len(data),
                           sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
     return rel
-
-
-@contextlib.contextmanager
-def _server(app: FastAPI) -> Iterator[int]:
-    """The real app under uvicorn on a free port, in this process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        t.join(timeout=10)
 
 
 def _stalled(port: int, path: str, token: str, until: bytes = b"\r\n\r\n") -> socket.socket:
@@ -105,7 +83,7 @@ def test_a_stalled_download_blocks_no_writer_and_no_reader(
     _checkpoint(settings, db_url, job, BIG)
     app = create_app(settings)
     app.state.feed_poll_s = 60.0  # after its first poll the event stream just waits
-    with _server(app) as port:
+    with live_server(app) as port:
         socks = [_stalled_download(port, job, token)]
         try:
             # An event stream is open too, past its first poll (the checkpoint's event).
@@ -133,7 +111,7 @@ def test_more_stalled_downloads_than_the_pool_leave_every_route_working(
     job = factory.job("alice", state="running")
     _checkpoint(settings, db_url, job, BIG)
     auth = {"Authorization": f"Bearer {token}"}
-    with _server(create_app(settings)) as port:
+    with live_server(create_app(settings)) as port:
         socks = []
         try:
             for _ in range(32):

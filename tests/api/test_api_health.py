@@ -36,10 +36,13 @@ def test_readyz_is_503_while_the_database_is_unreachable(tmp_path: Path) -> None
         assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
 
 
-def test_prometheus_metrics(client: TestClient, alice: dict[str, str]) -> None:
+def test_prometheus_metrics(
+    client: TestClient, alice: dict[str, str], admin: dict[str, str]
+) -> None:
     client.get("/v1/jobs", headers=alice)
     client.post("/v1/jobs", json={"model": {"name": "mlp"}}, headers=alice)
-    r = client.get("/metrics", headers=alice)
+    assert client.get("/metrics", headers=alice).status_code == 403  # pool-wide: admins
+    r = client.get("/metrics", headers=admin)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     assert 'torchyard_http_requests_total{method="GET",route="/v1/jobs",status="200"} 1.0' in text

@@ -31,17 +31,17 @@ def _error(resp: Any, status: int, code: str | None = None) -> dict[str, Any]:
 
 
 def test_submit_returns_the_normalised_job(client: TestClient, alice: dict[str, str]) -> None:
-    r = client.post("/v1/jobs", json=SPEC | {"name": "tiny", "priority": 5}, headers=alice)
+    r = client.post("/v1/jobs", json=SPEC | {"name": "tiny", "priority": -5}, headers=alice)
     assert r.status_code == 201, r.text
     job = r.json()
     assert set(job) == JOB_KEYS | {"warnings"}  # the submit's answer only: what it noticed
     # SPEC's default batch of 128 is more than its 51 training samples: stored all the same
     assert [w["field"] for w in job.pop("warnings")] == ["batch_size"]
     assert job["state"] == QUEUED and job["attempt"] == 1 and job["owner"] == "alice"
-    assert job["name"] == "tiny" and job["priority"] == 5 and job["world_size"] == 1
+    assert job["name"] == "tiny" and job["priority"] == -5 and job["world_size"] == 1
     # every default written out, as trainer.spec normalises it
     assert job["spec"] == job_spec.spec_to_dict(
-        job_spec.parse_spec(SPEC | {"name": "tiny", "priority": 5})
+        job_spec.parse_spec(SPEC | {"name": "tiny", "priority": -5})
     )
     assert job["progress"] is None and job["latest_metrics"] == {} and job["attempts"] == []
     # POST and GET answer with the same body for the same job

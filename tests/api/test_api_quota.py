@@ -15,7 +15,7 @@ from torchyard.store.models import Job
 from torchyard.store.states import STARTING
 
 QUOTA = "/v1/users/{}/quota"
-UNLIMITED = {"max_workers": None, "max_queued": None, "share": 1.0}
+UNLIMITED = {"max_workers": None, "max_queued": None, "share": 1.0, "max_priority": 0}
 
 
 def _error(resp: Any, status: int, code: str) -> dict[str, Any]:
@@ -34,10 +34,10 @@ def test_put_then_get_the_whole_quota(
     client: TestClient, admin: dict[str, str], alice: dict[str, str]
 ) -> None:
     assert client.get(QUOTA.format("alice"), headers=admin).json() == {"user": "alice"} | UNLIMITED
-    body = {"max_workers": 4, "max_queued": 20, "share": 2}
+    body = {"max_workers": 4, "max_queued": 20, "share": 2, "max_priority": 10}
     r = client.put(QUOTA.format("alice"), json=body, headers=admin)
     assert r.status_code == 200, r.text
-    want = {"user": "alice", "max_workers": 4, "max_queued": 20, "share": 2.0}
+    want = {"user": "alice", "max_workers": 4, "max_queued": 20, "share": 2.0, "max_priority": 10}
     assert r.json() == want
     assert client.get(QUOTA.format("alice"), headers=admin).json() == want
     # a user reads their own, by name or as `me`
@@ -51,9 +51,12 @@ def test_fields_not_given_are_kept_and_null_removes_a_limit(
     url = QUOTA.format("alice")
     client.put(url, json={"max_workers": 4, "max_queued": 20, "share": 2}, headers=admin)
     r = client.put(url, json={"max_queued": 0}, headers=admin)  # 0: nothing may be queued
-    assert r.json() == {"user": "alice", "max_workers": 4, "max_queued": 0, "share": 2.0}
-    r = client.put(url, json={"max_workers": None, "share": None}, headers=admin)
-    assert r.json() == {"user": "alice", "max_workers": None, "max_queued": 0, "share": 1.0}
+    want = {"user": "alice", "max_workers": 4, "max_queued": 0, "share": 2.0, "max_priority": 0}
+    assert r.json() == want
+    client.put(url, json={"max_priority": -5}, headers=admin)
+    r = client.put(url, json={"max_workers": None, "share": None, "max_priority": None},
+                   headers=admin)  # fmt: skip
+    assert r.json() == want | {"max_workers": None, "share": 1.0}  # null: back to 0
     assert client.put(url, json={}, headers=admin).json() == r.json()
     assert client.get(url, headers=alice).json() == r.json()
 
@@ -73,6 +76,11 @@ BAD = [
     ({"share": -2}, "share"),
     ({"share": "2"}, "share"),
     ({"max_gpus": 4}, "max_gpus"),
+    ({"max_priority": 1001}, "max_priority"),
+    ({"max_priority": -1001}, "max_priority"),
+    ({"max_priority": 1.5}, "max_priority"),
+    ({"max_priority": "5"}, "max_priority"),
+    ({"max_priority": True}, "max_priority"),
 ]
 
 

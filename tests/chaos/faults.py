@@ -180,4 +180,4 @@ class Injector:
 def leftover_trainers(storage: Path) -> list[int]:
     from worker_cluster import processes_mentioning
 
-    return processes_mentioning(str(storage))
+    return processes_mentioning(str(storage), standbys=False)

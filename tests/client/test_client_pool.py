@@ -42,21 +42,23 @@ def test_quota_set_and_show(run: Run, token: str) -> None:
     rc, out, err = run("quota", "set", "alice", "--max-workers", "4", "--max-queued", "20",
                        "--share", "2")  # fmt: skip
     assert rc == 0, err
-    want = {"user": "alice", "max_workers": "4", "max_queued": "20", "share": "2"}
+    want = {"user": "alice", "max_workers": "4", "max_queued": "20", "share": "2",
+            "max_priority": "0"}  # fmt: skip
     assert _fields(out) == want
     assert _fields(run("quota", "show", "alice")[1]) == want
     # without USER: the caller's own (alice's token)
     assert _fields(run("quota", "show", token=token)[1]) == want
     rc, out, _ = run("quota", "show", "alice", "--json")
     assert rc == 0 and json.loads(out) == {"user": "alice", "max_workers": 4, "max_queued": 20,
-                                           "share": 2.0}  # fmt: skip
+                                           "share": 2.0, "max_priority": 0}  # fmt: skip
 
 
 def test_quota_set_none_removes_a_limit_and_keeps_the_rest(run: Run, token: str) -> None:
     run("quota", "set", "alice", "--max-workers", "4", "--max-queued", "20", "--share", "2")
     rc, out, _ = run("quota", "set", "alice", "--max-workers", "none", "--share", "none", "--json")
     assert rc == 0
-    assert json.loads(out) == {"user": "alice", "max_workers": None, "max_queued": 20, "share": 1.0}
+    assert json.loads(out) == {"user": "alice", "max_workers": None, "max_queued": 20, "share": 1.0,
+                               "max_priority": 0}  # fmt: skip
     assert _fields(run("quota", "show", token=token)[1])["max_workers"] == "no limit"
 
 
@@ -67,6 +69,8 @@ def test_quota_set_none_removes_a_limit_and_keeps_the_rest(run: Run, token: str)
         (["--max-queued", "lots"], "not a whole number"),
         (["--share", "0"], "must be a number > 0"),
         (["--share", "nan"], "must be a number > 0"),
+        (["--max-priority", "1001"], "must be from -1000 to 1000"),
+        (["--max-priority", "high"], "not a whole number or `default`"),
         ([], "nothing to set"),
     ],
 )
@@ -74,6 +78,15 @@ def test_quota_set_bad_input_is_exit_2(run: Run, token: str, argv: list[str], sa
     rc, out, err = run("quota", "set", "alice", *argv)
     assert rc == 2 and out == "" and says in err
     assert json.loads(run("quota", "show", "alice", "--json")[1])["max_workers"] is None
+
+
+def test_quota_set_max_priority_and_back_to_the_default(run: Run, token: str) -> None:
+    rc, out, err = run("quota", "set", "alice", "--max-priority", "50", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["max_priority"] == 50
+    assert _fields(run("quota", "show", token=token)[1])["max_priority"] == "50"
+    rc, out, _ = run("quota", "set", "alice", "--max-priority", "default", "--json")
+    assert rc == 0 and json.loads(out)["max_priority"] == 0
 
 
 def test_quota_refusals_are_one_line(run: Run, token: str) -> None:
@@ -155,7 +168,7 @@ def test_sdk_quota_and_queue(http: TestClient, ty: Client, root: str, store: Sto
     # its own connection: a Client sets its token on the httpx.Client it is given
     admin = Client(token=root, http=TestClient(http.app))
     assert admin.set_quota("alice", max_queued=2, share=0.5) == {
-        "user": "alice", "max_workers": None, "max_queued": 2, "share": 0.5,
+        "user": "alice", "max_workers": None, "max_queued": 2, "share": 0.5, "max_priority": 0,
     }  # fmt: skip
     assert admin.set_quota("alice", max_queued=None)["max_queued"] is None
     assert ty.get_quota() == admin.get_quota("alice")

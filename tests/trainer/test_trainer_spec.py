@@ -14,7 +14,8 @@ from trainer_testlib import REPO, make_spec, trainer_env, write_cifar, write_mni
 
 from torchyard.contracts import exitcodes
 from torchyard.contracts.datasets import missing_dataset_files
-from torchyard.contracts.spec import SpecError, parse_spec, spec_to_dict
+from torchyard.contracts.spec import JobSpec, SpecError, parse_spec, spec_to_dict
+from torchyard.contracts.specerrors import MAX_LISTED, without_excess_unknown
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
@@ -254,3 +255,24 @@ def test_training_set_sizes_are_the_trainers(tmp_path: Path) -> None:
     assert size_warnings(parse_spec(make_spec() | {"batch_size": 1438})) == []
     [(field, message)] = size_warnings(parse_spec(make_spec() | {"batch_size": 1440}))
     assert field == "batch_size" and "training set's 1438 samples" in message
+
+
+def test_50000_unknown_fields_are_counted_not_validated_one_by_one() -> None:
+    """pydantic's validation holds the GIL for the whole call (no other API thread runs):
+    parse_spec hands it a bounded number of unknown fields per section and counts the rest,
+    in the top level and in a section alike."""
+    valid = make_spec()
+    top = {**valid, **{f"f{i}": 1 for i in range(50_000)}}
+    bounded, dropped = without_excess_unknown(JobSpec, top)
+    assert dropped == 50_000 - MAX_LISTED - 3 and len(bounded) == len(valid) + MAX_LISTED + 3
+    assert without_excess_unknown(JobSpec, valid) == (valid, 0)
+    with pytest.raises(SpecError) as e:
+        parse_spec(top)
+    assert len(e.value.problems) == MAX_LISTED + 1
+    assert e.value.problems[-1] == ("spec", "and 49980 more unknown fields (f20, f21, f22, …)")
+
+    inner = {**valid, "optimizer": {**valid["optimizer"], **{f"o{i}": 1 for i in range(5_000)}}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(inner)
+    assert e.value.problems[0] == ("optimizer.o0", "unknown field")
+    assert e.value.problems[-1][1].startswith("and 4980 more unknown fields (optimizer.o20,")
