@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))
 from torchyard_testdb import Factory, sqlite_template
 
 BLOB = b"PK\x03\x04" + bytes(range(256)) * 64  # a torch.save zip, as far as the client sees
-__all__ = ["BLOB", "SPEC", "STEPS", "Recorder", "Store", "sqlite_template"]
+__all__ = ["BLOB", "SPEC", "STEPS", "Recorder", "Run", "Store", "sqlite_template"]
 STEPS = 4
 SPEC: dict[str, Any] = synthetic_spec(name="t")
+
+Run = Callable[..., tuple[int, str, str]]
+"""The `run` fixture: run(*argv, token=…) -> (exit code, stdout, stderr)."""
 
 
 class Store(Factory):

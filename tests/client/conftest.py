@@ -12,10 +12,11 @@ from pathlib import Path
 import client_server
 import pytest
 import torchyard_testdb
-from client_server import Store
+from client_server import Run, Store
 from fastapi.testclient import TestClient
 
 from torchyard.api.app import create_app
+from torchyard.client.cli import main
 from torchyard.client.sdk import Client
 from torchyard.settings import Settings
 
@@ -85,3 +86,22 @@ def worker(store: Store) -> Iterator[Callable[..., None]]:
     yield start
     for t in threads:
         t.join(20)
+
+
+@pytest.fixture
+def root(store: Store) -> str:
+    """An admin's token."""
+    return store.token("root", admin=True)
+
+
+@pytest.fixture
+def run(http: TestClient, root: str, capsys: pytest.CaptureFixture[str]) -> Run:
+    """run(*argv, token=…) -> (exit code, stdout, stderr); an admin's token by default.
+    A test module may define its own `run` (another default token, none at all)."""
+
+    def _run(*argv: str, token: str = root) -> tuple[int, str, str]:
+        rc = main([*argv, "--token", token], http=http)
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return _run

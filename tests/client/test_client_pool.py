@@ -4,34 +4,13 @@ TestClient of create_app on SQLite)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import pytest
-from client_server import SPEC, Store
+from client_server import SPEC, Run, Store
 from fastapi.testclient import TestClient
 
-from torchyard.client.cli import main
 from torchyard.client.errors import APIError, Unauthorized
 from torchyard.client.sdk import Client
-
-Run = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def root(store: Store) -> str:
-    return store.token("root", admin=True)
-
-
-@pytest.fixture
-def run(http: TestClient, root: str, capsys: pytest.CaptureFixture[str]) -> Run:
-    """run(*argv, token=…) -> (exit code, stdout, stderr); an admin's token by default."""
-
-    def _run(*argv: str, token: str = root) -> tuple[int, str, str]:
-        rc = main([*argv, "--token", token], http=http)
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return _run
 
 
 def _fields(out: str) -> dict[str, str]:

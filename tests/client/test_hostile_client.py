@@ -10,38 +10,19 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 import pytest
-from client_server import Store
-from fastapi.testclient import TestClient
+from client_server import Run, Store
 
 from torchyard import cli as top
 from torchyard.client import ui_cmd
-from torchyard.client.cli import main
 
 pytestmark = pytest.mark.hostile
 
-Run = Callable[..., tuple[int, str, str]]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def root(store: Store) -> str:
-    return store.token("root", admin=True)
-
-
-@pytest.fixture
-def run(http: TestClient, root: str, capsys: pytest.CaptureFixture[str]) -> Run:
-    def _run(*argv: str, token: str = root) -> tuple[int, str, str]:
-        rc = main([*argv, "--token", token], http=http)
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return _run
 
 
 def test_token_create_list_and_revoke_over_the_api(run: Run, store: Store) -> None:

@@ -294,6 +294,22 @@ def _job_state(db_url: str, job_id: str) -> str:
         return s.get(Job, job_id).state  # type: ignore[union-attr]
 
 
+def _hostile_worker(
+    settings: Settings, url: str
+) -> tuple[str, WorkerContext, threading.Thread, Path]:
+    """A placed job run by a worker thread with HOSTILE_SCRIPT as its trainer, once the
+    script's first flush is in its log: (job id, the worker's context, its thread, the log)."""
+    with session_scope(url) as s:
+        job, _, assignment_id = _placed(s)
+        job_id = job.id
+    ctx = WorkerContext(settings, "w1", CPU, "127.0.0.1")
+    ctx.launcher = ScriptLauncher(HOSTILE_SCRIPT)
+    worker = _run_in_thread(ctx, assignment_id)
+    log = job_dir(settings.storage, job_id) / LOG_FILE
+    _wait("the script's flush", lambda: log.exists() and "written" in log.read_text(), 60)
+    return job_id, ctx, worker, log
+
+
 @pytest.mark.parametrize("ingest", ["hostile lines", "store refusing every batch"])
 def test_cancel_ends_the_job_within_seconds_however_ingest_fails(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ingest: str
@@ -307,14 +323,7 @@ def test_cancel_ends_the_job_within_seconds_however_ingest_fails(
 
         monkeypatch.setattr("torchyard.worker.events.ingest_metrics", refuse)
     settings = _settings(db_url, tmp_path, cancel_grace_s=1.0)
-    with session_scope(db_url) as s:
-        job, _, assignment_id = _placed(s)
-        job_id = job.id
-    ctx = WorkerContext(settings, "w1", CPU, "127.0.0.1")
-    ctx.launcher = ScriptLauncher(HOSTILE_SCRIPT)
-    worker = _run_in_thread(ctx, assignment_id)
-    log = job_dir(settings.storage, job_id) / LOG_FILE
-    _wait("the script's flush", lambda: log.exists() and "written" in log.read_text(), 60)
+    job_id, _, worker, log = _hostile_worker(settings, db_url)
     time.sleep(1.0)  # a few flushes
     t0 = time.monotonic()
     with session_scope(db_url) as s:
@@ -342,14 +351,7 @@ def test_sigterm_ends_the_worker_within_its_stop_deadline_while_ingest_is_down(
 
     monkeypatch.setattr("torchyard.worker.events.ingest_metrics", down)
     settings = _settings(sqlite_url, tmp_path)
-    with session_scope(sqlite_url) as s:
-        job, _, assignment_id = _placed(s)
-        job_id = job.id
-    ctx = WorkerContext(settings, "w1", CPU, "127.0.0.1")
-    ctx.launcher = ScriptLauncher(HOSTILE_SCRIPT)
-    worker = _run_in_thread(ctx, assignment_id)
-    log = job_dir(settings.storage, job_id) / LOG_FILE
-    _wait("the script's flush", lambda: log.exists() and "written" in log.read_text(), 60)
+    job_id, ctx, worker, _ = _hostile_worker(settings, sqlite_url)
     t0 = time.monotonic()
     ctx.stopping.set()  # what the worker's SIGTERM does
     worker.join(timeout=15)
