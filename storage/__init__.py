@@ -4,8 +4,9 @@
 
 Which backend: the storage URL's scheme, looked up in `BACKENDS` ("module:Class", imported
 when first chosen, so a backend's client library loads only where it is used). Today the
-URL is TORCHYARD_STORAGE_ROOT as `file://…` (storage/local.py); `memory://` is the
-in-memory backend tests use. Object storage is one more module and one more line here.
+URL is TORCHYARD_STORAGE_URL: `file://…` (storage/local.py, the default: the storage
+root), `s3://bucket/prefix` (storage/s3.py, any S3-compatible store) or `memory://` (the
+in-memory backend tests use).
 
 A job's run directory, the local folder its trainer writes into (`--run-dir`), is decided
 here too: `run_dir(settings, job_id)`, the backend's `run_dir`.
@@ -14,6 +15,7 @@ here too: `run_dir(settings, job_id)`, the backend's `run_dir`.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from pathlib import Path
 from urllib.parse import urlparse
@@ -30,6 +32,7 @@ __all__ = [
     "UnsafePath",
     "backend_class",
     "check_key",
+    "check_storage",
     "job_key",
     "job_prefix",
     "open_storage",
@@ -41,6 +44,7 @@ __all__ = [
 BACKENDS: dict[str, str] = {
     "file": "torchyard.storage.local:LocalStorage",
     "memory": "torchyard.storage.memory:MemoryStorage",
+    "s3": "torchyard.storage.s3:S3Storage",
 }
 
 _CACHE_SIZE = 32  # settings objects seen by one process (tests make one per test)
@@ -62,8 +66,9 @@ def backend_class(scheme: str) -> type[Storage]:
 
 
 def storage_url(settings: Settings) -> str:
-    """Where stored files live, as a URL: TORCHYARD_STORAGE_ROOT, a local folder."""
-    return settings.storage.as_uri()
+    """Where stored files live, as a URL: TORCHYARD_STORAGE_URL, else the storage root
+    (TORCHYARD_STORAGE_ROOT) as `file://`."""
+    return settings.storage_url or settings.storage.as_uri()
 
 
 def open_storage(url: str, settings: Settings) -> Storage:
@@ -92,3 +97,17 @@ def run_dir(settings: Settings, job_id: str) -> Path:
     """The job's run directory on this host: what the worker passes the trainer as
     `--run-dir` (and `torchyard.job` writes into), the one place it is decided."""
     return storage_for(settings).run_dir(job_id)
+
+
+def check_storage(settings: Settings) -> bool:
+    """At a service's start: the storage answers as configured (an object store's bucket,
+    credentials and endpoint); False after printing what to fix, naming the setting, so a
+    bad one fails the start rather than the first checkpoint."""
+    from torchyard.storage.base import StorageConfigError
+
+    try:
+        storage_for(settings).check()
+    except (StorageConfigError, ValueError) as e:
+        print(f"torchyard: bad setting: {e}", file=sys.stderr)
+        return False
+    return True

@@ -18,10 +18,10 @@ run directory on the worker's side.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import secrets
-import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +34,29 @@ if TYPE_CHECKING:
     from torchyard.settings import Settings
 
 COPY_BLOCK = 1 << 20  # bytes per read when streaming from one file to another
+
+
+class StorageUnavailable(OSError):
+    """The store is out of reach (connection refused or timed out, a 5xx after retries):
+    transient, the caller retries later. The message names the store and what failed."""
+
+
+class StorageConfigError(ValueError):
+    """A setting of the storage is wrong (found by `Storage.check()` at a service's start):
+    the message names the setting to fix."""
+
+
+class ChecksumMismatch(OSError):
+    """Bytes that do not hash to the sha256 they were announced with: nothing was stored
+    (a write) or kept (a copy)."""
+
+
+def sha256_file(f: IO[bytes]) -> str:
+    """The sha256 (hex) of what is left in an open binary file."""
+    h = hashlib.sha256()
+    while block := f.read(COPY_BLOCK):
+        h.update(block)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -89,11 +112,19 @@ class Storage(ABC):
     safe to call from several threads at once."""
 
     scheme: ClassVar[str]  # the URL scheme that chooses this backend (storage/__init__.py)
+    stored_run_dirs: ClassVar[bool] = False
+    """True when a job's run directory IS its stored objects, so nothing needs uploading
+    (the local backend); False where the run directory is this host's working copy."""
 
     @classmethod
     @abstractmethod
     def from_url(cls, url: str, settings: Settings) -> Storage:
         """The backend for `url` (its scheme is `scheme`), built from the settings."""
+
+    def check(self) -> None:
+        """At a service's start: the store answers as configured. StorageConfigError naming
+        the setting to fix when it does not (default: nothing to check)."""
+        return None
 
     # ---------------------------------------------------------------- reading
 
@@ -140,9 +171,13 @@ class Storage(ABC):
         return self.write_stream(key, io.BytesIO(data))
 
     @abstractmethod
-    def write_file(self, key: str, path: Path, *, move: bool = False) -> ObjectInfo:
+    def write_file(
+        self, key: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> ObjectInfo:
         """Store the local file `path` as the object, atomically. `move`: the file is
-        consumed (a rename where it is on the storage's own file system, no copy)."""
+        consumed (a rename where it is on the storage's own file system, no copy).
+        `sha256`: what the bytes must hash to, else ChecksumMismatch and no object is
+        written. The returned ObjectInfo carries the sha256 of the bytes stored."""
 
     @abstractmethod
     def append(self, key: str, data: bytes) -> None:
@@ -173,10 +208,18 @@ class Storage(ABC):
         """The object's name in messages."""
         return f"{self.scheme}://{check_key(key)}"
 
-    def local_copy(self, key: str) -> Path:
+    def presign(self, key: str, expires_s: int) -> str | None:
+        """A URL that GETs the object straight from the store (honouring Range) for
+        `expires_s` seconds; None on a backend without one."""
+        check_key(key)
+        return None
+
+    def local_copy(self, key: str, sha256: str | None = None) -> Path:
         """A local file holding the object, for what needs a path (unpacking a bundle, a
         trainer's `--init`): the object's own file where there is one, else a fresh copy
-        under `staging_dir("copies")`. FileNotFoundError when there is no object."""
+        under `staging_dir("copies")` (fetched each time, over any copy already there).
+        `sha256`: what the bytes must hash to, else ChecksumMismatch and no copy is left.
+        FileNotFoundError when there is no object."""
         own = self.local_path(key)
         if own is not None:
             if not own.is_file():
@@ -186,8 +229,15 @@ class Storage(ABC):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
+            h = hashlib.sha256()
             with self.open_read(key) as src, open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out, COPY_BLOCK)
+                while block := src.read(COPY_BLOCK):
+                    h.update(block)
+                    out.write(block)
+            if sha256 is not None and h.hexdigest() != sha256:
+                raise ChecksumMismatch(
+                    f"{self.describe(key)}: its bytes hash to {h.hexdigest()}, not {sha256}"
+                )
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)

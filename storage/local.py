@@ -14,17 +14,26 @@ temporary name beside the target, are fsynced, renamed over it and the folder fs
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 from urllib.parse import unquote, urlparse
 
 from torchyard.settings import Settings
-from torchyard.storage.base import COPY_BLOCK, BoundedReader, ObjectInfo, Storage
+from torchyard.storage.base import (
+    COPY_BLOCK,
+    BoundedReader,
+    ChecksumMismatch,
+    ObjectInfo,
+    Storage,
+    sha256_file,
+)
 from torchyard.storage.keys import UnsafePath, check_key, job_prefix
 
 __all__ = ["FileTail", "LocalStorage", "open_regular", "resolve_inside"]
@@ -70,6 +79,11 @@ def resolve_inside(base: Path, relative: str) -> Path:
     if target != root and root not in target.parents:
         raise UnsafePath(f"refused path {relative!r}: outside the job directory")
     return target
+
+
+def _verify(name: str, got: str, want: str | None) -> None:
+    if want is not None and got != want:
+        raise ChecksumMismatch(f"{name}: its bytes hash to {got}, not {want}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -146,6 +160,7 @@ class LocalStorage(Storage):
     """Objects as files under `root`."""
 
     scheme = "file"
+    stored_run_dirs = True
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve()
@@ -277,27 +292,41 @@ class LocalStorage(Storage):
     def write_bytes(self, key: str, data: bytes | memoryview) -> ObjectInfo:
         return self._write_atomic(key, lambda f: f.write(data))
 
-    def write_file(self, key: str, path: Path, *, move: bool = False) -> ObjectInfo:
+    def write_file(
+        self, key: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> ObjectInfo:
         if not move:
-            with open(path, "rb") as src:
-                return self.write_stream(key, src)
+            return self._copy_in(key, path, sha256)
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            got = sha256_file(f)
+        _verify(self.describe(key), got, sha256)
         try:
             os.replace(path, target)
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
-            info = self.write_file(key, path)  # another file system: copy, then drop it
+            info = self._copy_in(key, path, got)  # another file system: copy, then drop it
             Path(path).unlink(missing_ok=True)
             return info
         _fsync_dir(target.parent)
-        return self.stat(key)
+        return replace(self.stat(key), sha256=got)
+
+    def _copy_in(self, key: str, path: Path, sha256: str | None) -> ObjectInfo:
+        """`path`'s bytes copied into the object, hashed on the way and checked against
+        `sha256` before the rename (a mismatch leaves the old object, or none)."""
+        h = hashlib.sha256()
+
+        def fill(f: IO[bytes]) -> None:
+            with open(path, "rb") as src:
+                while block := src.read(COPY_BLOCK):
+                    h.update(block)
+                    f.write(block)
+            _verify(self.describe(key), h.hexdigest(), sha256)
+
+        return replace(self._write_atomic(key, fill), sha256=h.hexdigest())
 
     def append(self, key: str, data: bytes) -> None:
         target = self._path(key)
@@ -328,6 +357,14 @@ class LocalStorage(Storage):
 
     def local_path(self, key: str) -> Path:
         return self._path(key)
+
+    def local_copy(self, key: str, sha256: str | None = None) -> Path:
+        """The object's own file (no copy); with `sha256`, checked to hash to it first."""
+        path = self._path(key)
+        with self._open(key) as f:
+            if sha256 is not None:
+                _verify(self.describe(key), sha256_file(f), sha256)
+        return path
 
     def staging_dir(self, prefix: str) -> Path:
         folder = self.root / check_key(prefix) / "tmp"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from torchyard.settings import Settings
-from torchyard.storage.base import ObjectInfo, Storage
+from torchyard.storage.base import ChecksumMismatch, ObjectInfo, Storage
 from torchyard.storage.keys import check_key, job_prefix
 
 __all__ = ["MemoryStorage"]
@@ -99,9 +99,14 @@ class MemoryStorage(Storage):
             self._objects[clean] = (data, time.time())
         return self.stat(clean)
 
-    def write_file(self, key: str, path: Path, *, move: bool = False) -> ObjectInfo:
-        with open(path, "rb") as f:
-            info = self.write_stream(key, f)
+    def write_file(
+        self, key: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> ObjectInfo:
+        data = Path(path).read_bytes()
+        got = hashlib.sha256(data).hexdigest()
+        if sha256 is not None and got != sha256:
+            raise ChecksumMismatch(f"{self.describe(key)}: its bytes hash to {got}, not {sha256}")
+        info = self.write_bytes(key, data)
         if move:
             Path(path).unlink(missing_ok=True)
         return info

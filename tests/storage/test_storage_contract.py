@@ -1,16 +1,18 @@
 """The storage seam's contract: the same assertions against every backend (the local file
-system and the in-memory one), so a new backend (object storage) is added to BACKENDS here
-and must pass them unchanged. Local-only promises (symlinks, atomic renames, the run
+system, the in-memory one and S3 on a real SeaweedFS, each test under a fresh prefix of one
+bucket), so a new backend is added to BACKENDS here and must pass them unchanged. Local-only promises (symlinks, atomic renames, the run
 directory's place) are in test_storage_local.py."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from seaweed import Seaweed
 
 from torchyard.settings import Settings
 from torchyard.storage import (
@@ -25,20 +27,41 @@ from torchyard.storage import (
 )
 from torchyard.storage.local import LocalStorage
 from torchyard.storage.memory import MemoryStorage
+from torchyard.storage.s3 import S3Storage
 
 JOB = "a" * 32
 KEY = f"jobs/{JOB}/checkpoints/step-00000010.pt"
 DATA = bytes(range(256)) * 64  # 16 KiB
 
-BACKENDS: dict[str, Callable[[Path], Storage]] = {
-    "local": lambda tmp: LocalStorage(tmp / "root"),
-    "memory": lambda tmp: MemoryStorage(tmp / "scratch"),
+
+def _s3(tmp: Path, request: pytest.FixtureRequest) -> Storage:
+    """A fresh prefix of the session's bucket on the real SeaweedFS (tests/seaweed.py),
+    credentials through boto3's standard chain as in production; 5 MiB parts."""
+    server = request.getfixturevalue("s3_server")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = request.getfixturevalue("s3_bucket")
+    prefix = f"contract/{uuid.uuid4().hex}"
+    return S3Storage(bucket, prefix, cache=tmp / "cache", endpoint_url=server.endpoint_url,
+                     part_bytes=5 << 20, concurrency=4)  # fmt: skip
+
+
+BACKENDS: dict[str, Callable[[Path, pytest.FixtureRequest], Storage]] = {
+    "local": lambda tmp, _: LocalStorage(tmp / "root"),
+    "memory": lambda tmp, _: MemoryStorage(tmp / "scratch"),
+    "s3": _s3,
 }
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(s3_server: Seaweed) -> str:
+    return s3_server.make_bucket()
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
-    return BACKENDS[request.param](tmp_path)
+    return BACKENDS[request.param](tmp_path, request)
 
 
 def test_write_then_stat_read_and_ranges(storage: Storage) -> None:

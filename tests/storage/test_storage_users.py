@@ -61,7 +61,9 @@ def test_a_bundle_is_fetched_once_and_unpacked(
     mem.write_bytes(archive_key(bid), archive)
     fetched: list[str] = []
     real = mem.local_copy
-    monkeypatch.setattr(mem, "local_copy", lambda key: fetched.append(key) or real(key))
+    monkeypatch.setattr(
+        mem, "local_copy", lambda key, sha256=None: fetched.append(key) or real(key, sha256)
+    )
     tree = inputs.code_dir(plain_settings, spec)
     assert tree is not None and (tree / "train.py").read_bytes() == b"print('hi')\n"
     assert inputs.code_dir(plain_settings, spec) == tree
