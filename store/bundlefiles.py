@@ -534,7 +534,7 @@ def unpack_stored(
     FileNotFoundError when it is not in storage."""
     key = archive_key(bundle_id)
     return _unpack(
-        lambda: storage.local_copy(key),
+        lambda: storage.local_copy(key, sha256=bundle_id),  # the id is the archive's sha256
         bundle_id,
         cache_root,
         max_files=max_files,

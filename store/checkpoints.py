@@ -139,3 +139,10 @@ def init_checkpoint(session: Session, job_id: str, which: str | int) -> Checkpoi
         .order_by(Checkpoint.id.desc())
         .limit(1)
     )
+
+
+def recorded_sha256(session: Session, job_id: str, path: str) -> str | None:
+    """The sha256 on record for a job's checkpoint file (None: none recorded)."""
+    return session.scalar(
+        select(Checkpoint.sha256).where(Checkpoint.job_id == job_id, Checkpoint.path == path)
+    )

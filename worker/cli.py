@@ -53,6 +53,11 @@ def worker_main(argv: list[str]) -> int:
     if settings is None:
         return 2
 
+    from torchyard.storage import check_storage
+
+    if not check_storage(settings):
+        return 2
+
     from torchyard.worker.identity import (
         SlotTaken,
         advertise_address,

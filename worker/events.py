@@ -55,6 +55,7 @@ from torchyard.store.ingest import refused_by_store
 from torchyard.store.lifecycle import mark_started
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import UnsafePath
+from torchyard.worker.publish import CheckpointRefused, CheckpointUploads, UploadPending
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +337,9 @@ class EventRecorder:
     limits: EventLimits = field(default_factory=EventLimits)
     names: set[str] = field(default_factory=set)
     set_aside: SetAside = field(default_factory=SetAside)
+    # Where the run dir is not the stored objects: checkpoints go up before their rows.
+    uploads: CheckpointUploads | None = None
+    waiting_upload: bool = False  # the last commit waited for an upload
     _reported: int = 0  # set-aside count last written to the attempt's reason
 
     def _own(self, ev: Event) -> bool:
@@ -473,7 +477,9 @@ class EventRecorder:
         what it holds is not sent again as it was: its metric points are set aside and the
         rest written; if that is refused too, its checkpoints and progress go as well and
         only the fence, the offset and the start are written. Fenced, a lost connection and
-        anything else propagate (the buffer is kept)."""
+        anything else propagate (the buffer is kept); so does UploadPending while a
+        checkpoint of the batch is not durable in the object store yet."""
+        self._await_uploads()
         for stage in range(3):
             try:
                 tx(self.write)
@@ -482,7 +488,29 @@ class EventRecorder:
                 if stage == 2 or not refused_by_store(e):
                     raise
                 self._drop(stage, e)
+        if self.uploads is not None:
+            self.uploads.forget([c.path or "" for c in self.checkpoints])
+            self.uploads.delete_pruned([p for c in self.checkpoints for p in c.pruned or []])
         self.clear()
+
+    def _await_uploads(self) -> None:
+        """Every checkpoint of the batch durable in the object store, or UploadPending (the
+        uploads go on in their thread); one that never can be is set aside."""
+        self.waiting_upload = False
+        if self.uploads is None or not self.checkpoints:
+            return
+        keep, pending = [], 0
+        for c in self.checkpoints:
+            try:
+                pending += not self.uploads.ready(c)
+            except CheckpointRefused as e:
+                self.set_aside.add(str(e))
+                continue
+            keep.append(c)
+        self.checkpoints = keep
+        if pending:
+            self.waiting_upload = True
+            raise UploadPending(f"{pending} checkpoint(s) still going up to the object store")
 
     def _drop(self, stage: int, e: BaseException) -> None:
         why = f"the store refused the batch ({_short(e)})"

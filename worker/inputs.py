@@ -17,8 +17,9 @@ from sqlalchemy.orm import Session
 
 from torchyard.settings import Settings
 from torchyard.storage import storage_for
+from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.keys import UnsafePath
-from torchyard.store.bundlefiles import BundleRejected, archive_key, sha256_file, unpack_stored
+from torchyard.store.bundlefiles import BundleRejected, archive_key, unpack_stored
 from torchyard.store.checkpoints import checkpoint_key, init_checkpoint
 from torchyard.store.models import Checkpoint
 
@@ -71,11 +72,12 @@ def init_file(settings: Settings, row: Checkpoint) -> Path:
     """A local file of an init checkpoint (what the trainer gets as `--init`), its
     recorded sha256 checked (a read of the whole file: never inside a store transaction)."""
     try:
-        path = storage_for(settings).local_copy(checkpoint_key(row))
+        return storage_for(settings).local_copy(checkpoint_key(row), sha256=row.sha256)
+    except ChecksumMismatch:
+        raise InputError(
+            f"init: job {row.job_id}'s {row.path} does not match its recorded sha256"
+        ) from None
     except (FileNotFoundError, UnsafePath):
         raise InputError(
             f"init: the file of job {row.job_id}'s checkpoint {row.path} is gone"
         ) from None
-    if sha256_file(path) != row.sha256:
-        raise InputError(f"init: job {row.job_id}'s {row.path} does not match its recorded sha256")
-    return path

@@ -39,13 +39,16 @@ from sqlalchemy import exc
 
 from torchyard.contracts.eventfiles import rank_events_file
 from torchyard.settings import Settings
-from torchyard.storage import run_dir, storage_for
+from torchyard.storage import Storage, run_dir, storage_for
+from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.keys import UnsafePath, job_key
+from torchyard.storage.local import LocalStorage
 from torchyard.store.attempts import (
     A_CANCELLED,
     A_FAILED,
     A_HANDED_BACK,
     A_LOST,
+    A_SUCCEEDED,
     ATTEMPT_ACTIVE,
     AttemptStatus,
     Claimed,
@@ -60,6 +63,7 @@ from torchyard.store.attempts import (
     resume_pick,
     set_endpoint,
 )
+from torchyard.store.checkpoints import recorded_sha256
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced
 from torchyard.store.metrics import metric_names
@@ -93,6 +97,13 @@ from torchyard.worker.outcome import (
     describe_exit,
 )
 from torchyard.worker.proc import Launch, free_port, runs_code, slot_env, trainer_argv
+from torchyard.worker.publish import (
+    CheckpointUploads,
+    LogShipper,
+    UploadPending,
+    align_events,
+    log_key_for_rank,
+)
 from torchyard.worker.runfiles import append_to_log, file_size, write_spec_file
 from torchyard.worker.runlimits import free_description, run_dir_over, storage_evidence
 from torchyard.worker.standby import WarmTrainer
@@ -100,6 +111,7 @@ from torchyard.worker.standby import WarmTrainer
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # event tail and process poll
+HOLD_MAX = 50_000  # events held in memory while a checkpoint upload delays the batch
 STATE_POLL_S = 0.5  # job/attempt state in the store (cancel seen well within 2 s)
 FLUSH_S = 0.5
 FLUSH_EVENTS = 500
@@ -234,10 +246,24 @@ class Supervision:
         # through the storage; the run dir is the local folder this host's trainer writes.
         self.storage = storage_for(ctx.settings)
         self.run_dir = run_dir(ctx.settings, c.job_id)
+        # An object store: the run dir is this host's working copy, the worker uploads from
+        # it (worker/publish.py), and this host's events file is read from the cache.
+        self.remote = not self.storage.stored_run_dirs
+        self.events_store: Storage = (
+            LocalStorage(ctx.settings.storage) if self.remote else self.storage
+        )
+        self.uploads = (
+            CheckpointUploads(self.storage, ctx.settings.storage, c.job_id) if self.remote else None
+        )
+        self.shipper: LogShipper | None = None
         self.launched_at = time.monotonic()
         self.events_path = self.run_dir / EVENTS_FILE
         self.recorder = EventRecorder(
-            c.job_id, c.attempt_id, c.attempt_number, limits=event_limits(ctx.settings)
+            c.job_id,
+            c.attempt_id,
+            c.attempt_number,
+            limits=event_limits(ctx.settings),
+            uploads=self.uploads,
         )
         self._stopping_at: float | None = None  # when this supervisor saw the worker stop
         self.trainer: TrainerHandle | None = None
@@ -266,15 +292,18 @@ class Supervision:
         last commit (a worker killed, cut off, or out of store), then return where this
         attempt's own events begin. Those earlier lines are for the record only."""
         events = job_key(self.c.job_id, EVENTS_FILE)
-        end_torn_line_at(self.storage, events)
         start = self._tx(lambda s: ingest_start(s, self.c.job_id))
+        if self.remote:
+            align_events(self.events_path, self.c.attempt_number, start)
+        end_torn_line_at(self.events_store, events)
         rec = self.recorder
         # The job's names so far (one more than it may hold tells it is full), shared.
         top = rec.limits.metric_names + 1
         rec.names.update(self._tx(lambda s: metric_names(s, self.c.job_id, limit=top)))
         backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None, limits=rec.limits,
-                                names=rec.names, set_aside=rec.set_aside)  # fmt: skip
-        tail = EventTail.open(self.storage, events, start, rec.limits.line_bytes)
+                                names=rec.names, set_aside=rec.set_aside,
+                                uploads=self.uploads)  # fmt: skip
+        tail = EventTail.open(self.events_store, events, start, rec.limits.line_bytes)
         n = 0
         try:
             while True:  # in bounded batches, each committed with its offset
@@ -325,16 +354,23 @@ class Supervision:
 
     def _resume_path(self, rel: str | None) -> Path | None:
         """The checkpoint rank 0 picked (relative to the run dir), as a file on this host
-        (fetched from the storage where it is not a local one)."""
+        (fetched from the storage where it is not a local one), its recorded sha256
+        checked before the trainer loads it."""
         if rel is None:
             return None
+        sha = self._tx(lambda s: recorded_sha256(s, self.c.job_id, rel))
         try:
-            return self.storage.local_copy(job_key(self.c.job_id, rel))
+            return self.storage.local_copy(job_key(self.c.job_id, rel), sha256=sha)
+        except ChecksumMismatch as e:
+            raise StorageNotShared(
+                f"rank {self.c.rank} on worker {self.ctx.worker_id}: the checkpoint {rel} "
+                f"does not match its recorded sha256 ({e})"
+            ) from None
         except (UnsafePath, FileNotFoundError):
             raise StorageNotShared(
                 f"rank 0 resumes from {rel}, which worker {self.ctx.worker_id} cannot read "
-                f"under {self.run_dir}: every worker must see the same storage "
-                "(TORCHYARD_STORAGE_ROOT)"
+                f"from {self.storage.describe(job_key(self.c.job_id, rel))}: every worker "
+                "must see the same storage (TORCHYARD_STORAGE_URL or TORCHYARD_STORAGE_ROOT)"
             ) from None
 
     def _log_line(self, text: str) -> None:
@@ -345,6 +381,9 @@ class Supervision:
             log.warning("job %s: could not write to the job log (%s)", self.c.job_id, e)
 
     def launch(self, p: Prepared) -> None:
+        if self.remote:  # before the first line of this attempt's log
+            key = log_key_for_rank(self.c.job_id, self.c.rank)
+            self.shipper = LogShipper(self.storage, self.run_dir / LOG_FILE, key)
         now = datetime.now(UTC).isoformat(timespec="seconds")
         how = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
         self._log_line(
@@ -419,6 +458,8 @@ class Supervision:
             self.recorder.commit(self._tx)
         except Fenced:
             self._fence_hit()
+        except UploadPending:
+            pass  # the batch waits for its checkpoints' upload; the trainer runs on
         except Exception as e:
             log.warning("event flush failed (%s); kept, will retry", e)
         self._log_set_aside()
@@ -484,13 +525,17 @@ class Supervision:
             now = time.monotonic()
             self.ctx.loop_beat = now
             rc = trainer.poll()
-            if rank0:
+            # While an upload holds the batch, a bounded number of events wait in memory;
+            # the rest wait in the events file.
+            if rank0 and not (self.recorder.waiting_upload and self.recorder.pending >= HOLD_MAX):
                 self.recorder.add_all(self.tail, limit=TAIL_BATCH)
-                if self.recorder.pending and (
-                    now - last_flush >= FLUSH_S or self.recorder.pending >= FLUSH_EVENTS
-                ):
-                    self._flush()
-                    last_flush = now
+            if (
+                rank0
+                and self.recorder.pending
+                and (now - last_flush >= FLUSH_S or self.recorder.pending >= FLUSH_EVENTS)
+            ):
+                self._flush()
+                last_flush = now
             if rc is not None:
                 break
             if self.stop_why is None and not self.fenced and now - last_poll >= STATE_POLL_S:
@@ -714,6 +759,15 @@ class Supervision:
         return Decision(A_FAILED, why, None, True)
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.shipper is not None:
+                self.shipper.close()
+            if self.uploads is not None:
+                self.uploads.close()
+
+    def _run(self) -> None:
         if self.c.cancelling:
             self.finish(None, Decision(A_CANCELLED, "cancelled before it started", None, False))
             return
@@ -747,7 +801,19 @@ class Supervision:
             f"===== torchyard: attempt {self.c.attempt_number}, rank {self.c.rank}: "
             f"trainer {describe_exit(rc)} =====\n"
         )
-        self.finish(rc, self._ending(rc))
+        if self.shipper is not None:  # the log complete in the store before the job ends
+            self.shipper.close()
+            self.shipper = None
+        self.finish(rc, self._unstored(self._ending(rc)))
+
+    def _unstored(self, d: Decision | None) -> Decision | None:
+        """A success whose checkpoints (its final weights) are still unrecorded, because
+        the object store stayed out of reach past the worker's stop deadline, is not one:
+        handed back, the next attempt resumes from what is stored."""
+        if d is None or d.outcome != A_SUCCEEDED or not self.recorder.checkpoints:
+            return d
+        why = f"the final weights are not stored yet ({d.reason})"
+        return Decision(A_HANDED_BACK, why, None, False)
 
 
 # ---- errors and rules --------------------------------------------------------------------

@@ -5,6 +5,7 @@ is tested with the scheduler process (tests/scheduler/test_scheduler_process.py)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -122,7 +123,12 @@ def _retried_gang(db_url: str, run_dir_of: Any) -> tuple[str, list[Claimed]]:
     (run_dir / EVENTS_FILE).write_text(
         _line(type="metric", attempt=1, step=3, name="train/loss", value=0.5)
         + _line(
-            type="checkpoint", attempt=1, step=3, path="checkpoints/s3.pt", bytes=7, sha256="a" * 64
+            type="checkpoint",
+            attempt=1,
+            step=3,
+            path="checkpoints/s3.pt",
+            bytes=7,
+            sha256=hashlib.sha256(b"weights").hexdigest(),  # checked before a rank resumes
         )
     )
     with session_scope(db_url) as s:

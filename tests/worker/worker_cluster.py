@@ -187,7 +187,8 @@ class Cluster:
         for i in range(workers):
             self.start_worker(f"w{i}")
         wait_for(lambda: self.http.get("/healthz").status_code == 200, 60, "the API")
-        self.wait_workers(workers)
+        if workers:
+            self.wait_workers(workers)
         return self
 
     def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

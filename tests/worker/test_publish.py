@@ -1,0 +1,191 @@
+"""worker/publish.py against the in-memory backend (a store whose objects are not local
+files, as an object store's): checkpoints go up checked before they are reported, logs are
+shipped without loss across an outage, a new host's events file continues the record, and
+nothing a trainer plants in its run directory is followed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from torchyard.contracts.eventmodel import CheckpointEvent
+from torchyard.storage import job_key
+from torchyard.storage.base import ObjectInfo, StorageUnavailable
+from torchyard.storage.memory import MemoryStorage
+from torchyard.worker import publish
+from torchyard.worker.publish import (
+    CheckpointRefused,
+    CheckpointUploads,
+    LogShipper,
+    align_events,
+)
+
+JOB = "c" * 32
+
+
+class Flaky(MemoryStorage):
+    """Refuses the next `down` writes and appends as an unreachable store would."""
+
+    def __init__(self, scratch: Path) -> None:
+        super().__init__(scratch)
+        self.down = 0
+
+    def _outage(self) -> None:
+        if self.down:
+            self.down -= 1
+            raise StorageUnavailable("the object store is out of reach")
+
+    def write_file(
+        self, key: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> ObjectInfo:
+        self._outage()
+        return super().write_file(key, path, move=move, sha256=sha256)
+
+    def append(self, key: str, data: bytes) -> None:
+        self._outage()
+        super().append(key, data)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Flaky:
+    return Flaky(tmp_path / "scratch")
+
+
+def _ckpt(cache: Path, rel: str, data: bytes, sha: str | None = None) -> CheckpointEvent:
+    path = cache / "jobs" / JOB / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    digest = sha or hashlib.sha256(data).hexdigest()
+    return CheckpointEvent(type="checkpoint", time=time.time(), step=10, path=rel,
+                           bytes=len(data), sha256=digest, kind="resume")  # fmt: skip
+
+
+def _until_ready(up: CheckpointUploads, c: CheckpointEvent, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not up.ready(c):
+        assert time.monotonic() < deadline, "upload never became durable"
+        time.sleep(0.01)
+
+
+def test_a_checkpoint_is_ready_only_once_stored_with_its_sha256(store: Flaky, cache: Path) -> None:
+    up = CheckpointUploads(store, cache, JOB)
+    data = os.urandom(200_000)
+    c = _ckpt(cache, "checkpoints/step-00000010.pt", data)
+    assert up.ready(c) is False  # started, not done: the batch waits
+    _until_ready(up, c)
+    info = store.stat(job_key(JOB, c.path or ""))
+    assert info.size == len(data) and info.sha256 == c.sha256
+    up.close()
+
+
+def test_a_file_that_is_not_what_its_event_announced_is_refused(store: Flaky, cache: Path) -> None:
+    up = CheckpointUploads(store, cache, JOB)
+    c = _ckpt(cache, "checkpoints/step-00000010.pt", b"torn", sha="0" * 64)
+    with pytest.raises(CheckpointRefused, match="does not match the sha256"):
+        _until_ready(up, c)
+    assert not store.exists(job_key(JOB, c.path or ""))
+    up.close()
+
+
+def test_a_pruned_file_is_refused_unless_an_earlier_attempt_stored_it(
+    store: Flaky, cache: Path
+) -> None:
+    up = CheckpointUploads(store, cache, JOB)
+    c = _ckpt(cache, "checkpoints/step-00000010.pt", b"weights")
+    (cache / "jobs" / JOB / (c.path or "")).unlink()
+    with pytest.raises(CheckpointRefused, match="not on this host"):
+        _until_ready(up, c)
+    # Uploaded by an attempt whose record did not commit: the object is the proof.
+    store.write_bytes(job_key(JOB, c.path or ""), b"weights")
+    up2 = CheckpointUploads(store, cache, JOB)
+    _until_ready(up2, c)
+    up.close()
+    up2.close()
+
+
+def test_a_planted_link_is_never_uploaded(store: Flaky, cache: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"the worker's own file")
+    link = cache / "jobs" / JOB / "checkpoints" / "step-00000010.pt"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(secret)
+    c = CheckpointEvent(type="checkpoint", time=time.time(), step=10,
+                        path="checkpoints/step-00000010.pt",
+                        sha256=hashlib.sha256(secret.read_bytes()).hexdigest())  # fmt: skip
+    up = CheckpointUploads(store, cache, JOB)
+    with pytest.raises(CheckpointRefused):
+        _until_ready(up, c)
+    assert not store.exists(job_key(JOB, c.path or ""))
+    up.close()
+
+
+def test_an_outage_delays_the_upload_then_it_goes_up(
+    store: Flaky, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publish, "RETRY_FIRST_S", 0.05)
+    store.down = 3
+    up = CheckpointUploads(store, cache, JOB)
+    c = _ckpt(cache, "checkpoints/step-00000010.pt", b"x" * 1000)
+    _until_ready(up, c)
+    assert store.down == 0 and store.exists(job_key(JOB, c.path or ""))
+    up.close()
+
+
+def test_pruned_objects_are_deleted(store: Flaky, cache: Path) -> None:
+    up = CheckpointUploads(store, cache, JOB)
+    c = _ckpt(cache, "checkpoints/step-00000010.pt", b"old")
+    _until_ready(up, c)
+    up.delete_pruned([c.path or ""])
+    up.close()
+    assert not store.exists(job_key(JOB, c.path or ""))
+
+
+def test_the_log_ships_whole_and_in_order_across_an_outage(
+    store: Flaky, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publish, "SHIP_S", 0.02)
+    monkeypatch.setattr(publish, "SHIP_MAX", 64)
+    log_path = tmp_path / "run" / "output.log"
+    log_path.parent.mkdir()
+    log_path.write_bytes(b"an earlier attempt's lines, already stored\n")
+    key = job_key(JOB, "output.log")
+    ship = LogShipper(store, log_path, key)
+    assert log_path.read_bytes() == b""  # this attempt's log starts empty on this host
+    lines = [f"line {i}\n".encode() for i in range(200)]
+    with open(log_path, "ab") as f:
+        for i, line in enumerate(lines):
+            if i == 50:
+                store.down = 5
+            f.write(line)
+            f.flush()
+            time.sleep(0.001)
+    # A trainer swaps its log for a link: the shipper reads the file it opened.
+    os.replace(log_path, tmp_path / "run" / "moved")
+    log_path.symlink_to("/etc/passwd")
+    ship.close(wait_s=5)
+    data, size = store.read_range(key, 0, 1 << 20)
+    assert data == b"".join(lines) and size == len(data)
+
+
+def test_a_new_host_continues_the_record_and_a_stale_file_is_cut(tmp_path: Path) -> None:
+    events = tmp_path / "run" / "events.jsonl"
+    align_events(events, attempt=2, recorded=5000)  # a host that never ran the job
+    assert events.stat().st_size == 5000 and events.read_bytes()[-1:] == b"\n"
+    assert events.stat().st_blocks * 512 < 5000  # sparse: only the length is kept
+    # Attempt 3 on the same host: the file is attempt 2's own, with its unrecorded tail.
+    with open(events, "ab") as f:
+        f.write(b'{"type": "metric"}\n')
+    align_events(events, attempt=3, recorded=5000)
+    assert events.stat().st_size == 5000 + 19
+    # Attempt 5 here after attempt 4 ran elsewhere: what lies past the record is stale.
+    align_events(events, attempt=5, recorded=4000)
+    assert events.stat().st_size == 4000
