@@ -17,9 +17,12 @@ def main(argv: list[str]) -> int:
 
     from torchyard.api.app import create_app
     from torchyard.settings import get_settings, private_umask
+    from torchyard.storage import check_storage
 
     private_umask()
     settings = get_settings()  # validated now, so a bad variable fails before binding
+    if not check_storage(settings):
+        return 2
     app = create_app(settings)
     freeze_startup_heap()
     uvicorn.run(

@@ -40,6 +40,11 @@ def main(argv: list[str]) -> int:
     if settings is None:
         return 2
 
+    from torchyard.storage import check_storage
+
+    if not check_storage(settings):
+        return 2
+
     # Only now: the process loads Celery and the store, which `--help` never needs.
     from torchyard.scheduler.process import Scheduler
 

@@ -34,6 +34,23 @@ class Settings(BaseSettings):
     """TORCHYARD_BROKER_URL: redis://… in production (default: an embedded filesystem broker)."""
     storage_root: Path | None = None
     """TORCHYARD_STORAGE_ROOT: job directories (run dirs, checkpoints, logs)."""
+    storage_url: str | None = None
+    """TORCHYARD_STORAGE_URL: where stored files live: `file:///path` (the default, the
+    storage root) or `s3://bucket/prefix` (any S3-compatible store; the storage root is then
+    this host's cache: run directories, fetched checkpoints, bundles and data sets)."""
+    s3_endpoint_url: str | None = None
+    """TORCHYARD_S3_ENDPOINT_URL: the S3 API's address for a store other than AWS's own
+    (SeaweedFS, MinIO, Ceph, R2…); credentials come from AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY, AWS_REGION or the rest of the usual credential chain."""
+    s3_part_bytes: int = Field(default=8 * 1024**2, ge=5 * 1024**2)
+    """TORCHYARD_S3_PART_BYTES: files larger than this go up in multipart uploads of parts
+    this large (S3's minimum part is 5 MiB)."""
+    s3_concurrency: int = Field(default=8, ge=1, le=64)
+    """TORCHYARD_S3_CONCURRENCY: parts (or ranges) one upload or download moves at once."""
+    download_redirect: bool = False
+    """TORCHYARD_DOWNLOAD_REDIRECT: with an object store, answer a checkpoint download with a
+    redirect to a presigned URL (clients fetch straight from the store) instead of streaming
+    it through the API. Only where every client reaches the store's endpoint."""
     data_root: Path | None = None
     """TORCHYARD_DATA_ROOT: data sets in torchvision's on-disk formats."""
     max_world_size: int = Field(default=64, ge=1)

@@ -51,7 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     p.add_argument("--cpu", action="store_true", help="CPU workers even when GPUs are present")
+    p.add_argument(
+        "--storage-url",
+        default=None,
+        help="where checkpoints, logs and bundles live: s3://bucket/prefix for an object "
+        "store (with TORCHYARD_S3_ENDPOINT_URL and AWS_* credentials); default: the local "
+        "storage root (TORCHYARD_STORAGE_URL)",
+    )
     args = p.parse_args(argv)
+    if args.storage_url:
+        os.environ["TORCHYARD_STORAGE_URL"] = args.storage_url  # this process and its children
     if args.workers is not None and args.workers < 0:
         p.error("--workers must be >= 0")
     private_umask()  # the home, the database, logs and run files: this user's alone
@@ -171,6 +180,14 @@ class Up:
             raise UpError(f"port {port} on {host} is in use; pick another with --port")
         say(f"home     {home}")
         say(f"database {_redact(settings.db_url)}")
+        from torchyard.storage import storage_for, storage_url
+        from torchyard.storage.base import StorageConfigError
+
+        say(f"storage  {_redact(storage_url(settings))}")
+        try:
+            storage_for(settings).check()
+        except (StorageConfigError, ValueError) as e:
+            raise UpError(f"storage: {e}") from None
         from torchyard.store.migrate import upgrade
 
         try:

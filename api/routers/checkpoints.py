@@ -8,6 +8,7 @@ from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import RedirectResponse
 
 from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
 from torchyard.api.errors import ApiError, not_found, responses
@@ -23,6 +24,8 @@ from torchyard.store.checkpoints import (
     list_checkpoints,
 )
 from torchyard.store.jobs import get_job
+
+PRESIGN_S = 3600  # a redirect's presigned URL outlives a slow download's start, not a day
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["checkpoints"])
@@ -109,6 +112,9 @@ def download_checkpoint(
     storage = storage_for(settings)
     name = f"{job_id}-{PurePosixPath(row.path).name}"
     etag = f'"{row.sha256}"'
+    if settings.download_redirect and (url := storage.presign(checkpoint_key(row), PRESIGN_S)):
+        # Straight from the object store: the client keeps Range, and checks the sha256.
+        return RedirectResponse(url, status_code=307, headers={"ETag": etag})
     try:
         if checkpoint_file(storage, row) is not None:
             # A local file: opened once, no link followed; FileResponse serves that

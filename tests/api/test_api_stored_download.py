@@ -1,15 +1,19 @@
-"""Checkpoint downloads from a storage backend without local files (the in-memory one,
-standing in for object storage): streamed from the seam, with the same answers as the
-local FileResponse path (Content-Length, ETag, one Range, If-Range, 304, 416, gone). Each
-case runs against both backends."""
+"""Checkpoint downloads from a storage backend without local files (the in-memory one, and
+real SeaweedFS through the S3 backend): streamed from the seam, with the same answers as
+the local FileResponse path (Content-Length, ETag, one Range, If-Range, 304, 416, gone).
+Each case runs against every backend. With TORCHYARD_DOWNLOAD_REDIRECT the API answers
+with a presigned URL instead, and the SDK resumes through it."""
 
 from __future__ import annotations
 
 import hashlib
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from liveserver import live_server
 from torchyard_testdb import Factory
 
 import torchyard.api.routers.checkpoints as route
@@ -23,7 +27,20 @@ PAYLOAD = bytes(range(256)) * 40  # 10240 bytes
 REL = "checkpoints/step-00000001.pt"
 
 
-@pytest.fixture(params=["local", "memory"])
+_BUCKETS: dict[int, str] = {}  # the session server's bucket for this module
+
+
+def _s3(request: pytest.FixtureRequest, settings: Settings, mp: pytest.MonkeyPatch) -> Storage:
+    server = request.getfixturevalue("s3_server")
+    for k, v in server.env().items():
+        mp.setenv(k, v)
+    bucket = _BUCKETS.get(id(server)) or _BUCKETS.setdefault(id(server), server.make_bucket())
+    url = f"s3://{bucket}/{uuid.uuid4().hex}"  # one bucket, a prefix per test
+    s3 = settings.model_copy(update={"storage_url": url, "s3_endpoint_url": server.endpoint_url})
+    return storage_for(s3)
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
 def storage(
     request: pytest.FixtureRequest,
     settings: Settings,
@@ -32,9 +49,13 @@ def storage(
 ) -> Storage:
     if request.param == "local":
         return storage_for(settings)
-    mem = MemoryStorage(tmp_path / "scratch")
-    monkeypatch.setattr(route, "storage_for", lambda _settings: mem)
-    return mem
+    other = (
+        MemoryStorage(tmp_path / "scratch")
+        if request.param == "memory"
+        else _s3(request, settings, monkeypatch)
+    )
+    monkeypatch.setattr(route, "storage_for", lambda _settings: other)
+    return other
 
 
 @pytest.fixture
@@ -128,3 +149,46 @@ def test_a_file_gone_is_404_file_gone(
     assert r.status_code == 404 and r.json()["error"]["code"] == "file_gone"
     listed = client.get(f"/v1/jobs/{job}/checkpoints", headers=alice).json()["items"]
     assert [c["available"] for c in listed] == [False]
+
+
+@pytest.fixture
+def redirecting(
+    request: pytest.FixtureRequest, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> Storage:
+    s3 = _s3(request, settings, monkeypatch)
+    monkeypatch.setattr(route, "storage_for", lambda _settings: s3)
+    monkeypatch.setattr(settings, "download_redirect", True)
+    return s3
+
+
+def test_a_redirect_goes_to_the_store_and_the_sdk_resumes_through_it(
+    redirecting: Storage,
+    app: Any,
+    client: TestClient,
+    alice: dict[str, str],
+    factory: Factory,
+    db_url: str,
+    tmp_path: Path,
+) -> None:
+    from torchyard.client.sdk import Client
+
+    job = factory.job("alice", state="running")
+    redirecting.write_bytes(job_key(job, REL), PAYLOAD)
+    sha = hashlib.sha256(PAYLOAD).hexdigest()
+    with session_scope(db_url) as s:
+        cid = record_checkpoint(s, job, attempt=1, step=1, epoch=0.1, path=REL,
+                                bytes=len(PAYLOAD), sha256=sha).id  # fmt: skip
+    r = client.get(_url(job, cid), headers=alice, follow_redirects=False)
+    assert r.status_code == 307 and r.headers["etag"] == f'"{sha}"'
+    location = r.headers["location"]
+    assert location.startswith(redirecting.presign(job_key(job, REL), 60)[:40])  # type: ignore[index]
+    # Someone else's checkpoint: no redirect, no URL.
+    other = factory.job("bob", state="running")
+    assert client.get(_url(other, cid), headers=alice, follow_redirects=False).status_code == 404
+    # The SDK follows it without its token and resumes a broken download with Range.
+    part = tmp_path / "w.pt.part"
+    part.write_bytes(PAYLOAD[:4000])
+    with live_server(app) as port:  # a real HTTP client (TestClient follows redirects)
+        sdk = Client(f"http://127.0.0.1:{port}", token=alice["Authorization"].split()[1])
+        got = sdk.download(job, cid, tmp_path / "w.pt")
+    assert got.path.read_bytes() == PAYLOAD and got.sha256 == sha and got.resumed_from == 4000
