@@ -55,7 +55,12 @@ from torchyard.store.ingest import refused_by_store
 from torchyard.store.lifecycle import mark_started
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import UnsafePath
-from torchyard.worker.publish import CheckpointRefused, CheckpointUploads, UploadPending
+from torchyard.worker.publish import (
+    CheckpointGone,
+    CheckpointRefused,
+    CheckpointUploads,
+    UploadPending,
+)
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +345,9 @@ class EventRecorder:
     # Where the run dir is not the stored objects: checkpoints go up before their rows.
     uploads: CheckpointUploads | None = None
     waiting_upload: bool = False  # the last commit waited for an upload
+    # What checkpoints that were never stored (superseded, or gone) had pruned: their rows
+    # still stop being listed.
+    pruned_unrecorded: list[str] = field(default_factory=list)
     _reported: int = 0  # set-aside count last written to the attempt's reason
 
     def _own(self, ev: Event) -> bool:
@@ -469,6 +477,8 @@ class EventRecorder:
             ingest_metrics(session, self.job_id, self.metrics)
         for c in self.checkpoints:
             self._write_checkpoint(session, c)
+        if self.pruned_unrecorded:
+            mark_deleted(session, self.job_id, self.pruned_unrecorded)
         if report:
             note_attempt(session, self.attempt_id, self.set_aside.summary())
 
@@ -490,21 +500,33 @@ class EventRecorder:
                 self._drop(stage, e)
         if self.uploads is not None:
             self.uploads.forget([c.path or "" for c in self.checkpoints])
-            self.uploads.delete_pruned([p for c in self.checkpoints for p in c.pruned or []])
+            pruned = [p for c in self.checkpoints for p in c.pruned or []]
+            self.uploads.delete_pruned(pruned + self.pruned_unrecorded)
         self.clear()
 
     def _await_uploads(self) -> None:
         """Every checkpoint of the batch durable in the object store, or UploadPending (the
-        uploads go on in their thread); one that never can be is set aside."""
+        uploads go on in their thread); one that never can be is set aside. A checkpoint a
+        later one of the batch pruned is not uploaded at all (a trainer checkpointing faster
+        than the store takes them sends only what it keeps), and one whose file is gone
+        is skipped: either way what it pruned still stops being listed."""
         self.waiting_upload = False
         if self.uploads is None or not self.checkpoints:
             return
+        superseded = {p for c in self.checkpoints for p in c.pruned or []}
         keep, pending = [], 0
         for c in self.checkpoints:
             try:
+                if c.path in superseded:
+                    raise CheckpointGone(f"checkpoint {c.path!r}: pruned before it was stored")
                 pending += not self.uploads.ready(c)
+            except CheckpointGone as e:
+                log.info("job %s: %s", self.job_id, e)
+                self.pruned_unrecorded.extend(c.pruned or [])
+                continue
             except CheckpointRefused as e:
                 self.set_aside.add(str(e))
+                self.pruned_unrecorded.extend(c.pruned or [])
                 continue
             keep.append(c)
         self.checkpoints = keep
@@ -525,7 +547,7 @@ class EventRecorder:
 
     def clear(self) -> None:
         """After `write` committed: the buffer is in the store, the set-aside count too."""
-        self.metrics, self.checkpoints = [], []
+        self.metrics, self.checkpoints, self.pruned_unrecorded = [], [], []
         self.progress, self.started_pending = None, False
         self._reported = self.set_aside.count
 

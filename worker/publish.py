@@ -44,6 +44,7 @@ from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.local import LocalStorage, open_regular
 
 __all__ = [
+    "CheckpointGone",
     "CheckpointRefused",
     "CheckpointUploads",
     "LogShipper",
@@ -67,8 +68,15 @@ class UploadPending(OSError):
 
 
 class CheckpointRefused(Exception):
-    """A checkpoint that can never be uploaded: its file is gone (pruned before it went
-    up, or on a host that is gone), a link, or not the bytes its event announced."""
+    """A checkpoint that can never be uploaded: a link, or not the bytes its event
+    announced."""
+
+
+class CheckpointGone(CheckpointRefused):
+    """A checkpoint whose file is no longer on this host and was never stored: keep_last
+    pruned it before its upload began (a trainer that checkpoints faster than the store
+    takes them), or its host is gone. Nothing is lost that a later checkpoint does not
+    supersede."""
 
 
 def log_key_for_rank(job_id: str, rank: int) -> str:
@@ -146,7 +154,7 @@ class CheckpointUploads:
         except (FileNotFoundError, UnsafePath) as e:
             if self._already_stored(key, c.sha256):
                 return  # an earlier attempt uploaded it, its record did not commit
-            raise CheckpointRefused(
+            raise CheckpointGone(
                 f"checkpoint {c.path!r}: its file is not on this host ({e}), so it was never stored"
             ) from None
         with src:

@@ -30,10 +30,11 @@ from worker_factories import drop_pg_databases, new_pg_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.redis]
 
-# A few seconds of training on one CPU thread, a resume checkpoint every 30 steps.
+# A few seconds of training on one CPU thread (400 steps: long enough to be killed well
+# before its end), a resume checkpoint every 30 steps.
 LONG: dict[str, Any] = {
     "model": {"name": "mlp", "hidden": [512, 512]},
-    "data": {"name": "synthetic", "shape": [1, 28, 28], "size": 4000, "num_classes": 10},
+    "data": {"name": "synthetic", "shape": [1, 28, 28], "size": 8000, "num_classes": 10},
     "optimizer": {"name": "sgd", "lr": 0.02},
     "batch_size": 32,
     "epochs": 2,

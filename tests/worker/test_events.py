@@ -255,3 +255,62 @@ def test_a_flush_holds_its_attempt_until_commit(session: Session) -> None:
         assert finish_attempt(other, rec.attempt_id, A_LOST, reason="reaped") == "queued"
         other.commit()
     assert _counts(s)[0] == 10
+
+
+def test_checkpoints_pruned_before_they_went_up_are_never_stored_and_unlist_what_they_pruned(
+    session: Session, tmp_path: Path
+) -> None:
+    """A trainer checkpointing faster than the object store takes them (keep_last 2): a
+    checkpoint whose file keep_last already deleted, or that a later one of the batch
+    prunes, is not stored and not listed, and what it pruned stops being listed too."""
+    import hashlib
+    import time
+
+    from torchyard.storage import job_key
+    from torchyard.storage.memory import MemoryStorage
+    from torchyard.worker.publish import CheckpointUploads, UploadPending
+
+    s = session
+    job, rec = _placed_job(s)
+    store, cache = MemoryStorage(tmp_path / "scratch"), tmp_path / "cache"
+    rec.uploads = CheckpointUploads(store, cache, job.id)
+    run = cache / "jobs" / job.id
+
+    def ckpt(step: int, pruned: list[int]) -> dict[str, object]:
+        path = f"checkpoints/step-{step}.pt"
+        data = f"weights at {step}".encode()
+        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (run / path).write_bytes(data)
+        for p in pruned:
+            (run / f"checkpoints/step-{p}.pt").unlink(missing_ok=True)
+        return {"type": "checkpoint", "time": float(step), "step": step, "path": path,
+                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                "kind": "resume", "pruned": [f"checkpoints/step-{p}.pt" for p in pruned]}  # fmt: skip
+
+    def commit(*events: dict[str, object]) -> None:
+        for ev in events:
+            rec.add(ev)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                rec.commit(lambda write: (write(s), s.commit()))
+                return
+            except UploadPending:
+                assert time.monotonic() < deadline, "the uploads never became durable"
+                time.sleep(0.01)
+
+    commit(ckpt(10, []))
+    b = ckpt(20, [])
+    c = ckpt(30, [10])
+    d = ckpt(40, [20])  # deletes 20's file before the worker read 20's event
+    commit(b)  # 20: gone from this host, never stored: skipped, not set aside
+    commit(c, d, ckpt(50, [30]))  # 30: pruned within the batch, never uploaded
+    rec.uploads.close()
+    s.expire_all()
+    listed = s.scalars(
+        select(Checkpoint.step).where(Checkpoint.job_id == job.id, Checkpoint.deleted.is_(False))
+    ).all()
+    assert sorted(listed) == [40, 50]
+    stored = {o.key for o in store.list(f"jobs/{job.id}/checkpoints")}
+    assert stored == {job_key(job.id, f"checkpoints/step-{n}.pt") for n in (40, 50)}
+    assert rec.set_aside.count == 0
