@@ -68,9 +68,26 @@ def add_job_commands(cmd: Callable[..., Any]) -> None:
     sp = cmd("logs", cmd_logs, "print a job's output (the trainer's stdout and stderr)")
     sp.add_argument("job", help=JOB_HELP)
     sp.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    sp.add_argument(
+        "--rank",
+        type=_rank,
+        default=0,
+        help="another rank's output (a job of several ranks on an object store: each rank's "
+        "host keeps its own log; default 0)",
+    )
     start = sp.add_mutually_exclusive_group()
     start.add_argument("--offset", type=int, default=0, help="start at this byte")
     start.add_argument("-n", "--tail", type=int, metavar="N", help="start at the last N lines")
+
+
+def _rank(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a rank (0, 1, …), got {value!r}")
+    return n
 
 
 def _positive(value: str) -> int:
@@ -176,7 +193,7 @@ def cmd_logs(client: Client, args: argparse.Namespace) -> int:
     out = sys.stdout
     offset = args.offset
     if args.tail is not None:
-        tail = client.log_tail(job_id, args.tail)
+        tail = client.log_tail(job_id, args.tail, rank=args.rank)
         out.write(tail["data"])
         out.flush()
         if not args.follow:
@@ -184,7 +201,7 @@ def cmd_logs(client: Client, args: argparse.Namespace) -> int:
         offset = tail["next_offset"]
     if args.follow:
         try:
-            for text in client.follow_logs(job_id, offset=offset):
+            for text in client.follow_logs(job_id, offset=offset, rank=args.rank):
                 out.write(text)
                 out.flush()
         except KeyboardInterrupt:
@@ -192,7 +209,7 @@ def cmd_logs(client: Client, args: argparse.Namespace) -> int:
             return EXIT_INTERRUPTED
         return EXIT_OK
     while True:  # the whole log, window by window
-        chunk = client.logs(job_id, offset=offset)
+        chunk = client.logs(job_id, offset=offset, rank=args.rank)
         out.write(chunk.get("data") or "")
         nxt = int(chunk.get("next_offset", offset))
         if nxt <= offset or nxt >= int(chunk.get("size", nxt)):

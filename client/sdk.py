@@ -332,31 +332,37 @@ class Client:
                     break
         return series
 
-    def logs(self, job_id: str, *, offset: int = 0, limit: int | None = None) -> dict:
-        """{"data", "offset", "next_offset", "size", "complete"}: a window of the job's log."""
-        return self._json(
-            "GET", f"/v1/jobs/{self._jid(job_id)}/logs", params={"offset": offset, "limit": limit}
-        )
+    def logs(
+        self, job_id: str, *, offset: int = 0, limit: int | None = None, rank: int = 0
+    ) -> dict:
+        """{"data", "offset", "next_offset", "size", "complete"}: a window of the job's log
+        (`rank`: another rank's own log, for a job of several ranks on an object store)."""
+        params: dict[str, int | None] = {"offset": offset, "limit": limit}
+        if rank:
+            params["rank"] = rank
+        return self._json("GET", f"/v1/jobs/{self._jid(job_id)}/logs", params=params)
 
-    def log_tail(self, job_id: str, lines: int) -> dict:
+    def log_tail(self, job_id: str, lines: int, *, rank: int = 0) -> dict:
         """The log's last `lines` lines (of its last 4 MiB at most): {"data", "next_offset"},
         `next_offset` being where `follow_logs` goes on from."""
         job_id = self._jid(job_id)
-        size = int(self.logs(job_id, offset=_LOG_END, limit=1).get("size") or 0)
+        size = int(self.logs(job_id, offset=_LOG_END, limit=1, rank=rank).get("size") or 0)
         want = 64 * 1024
         while True:
             start = max(0, size - want)
-            chunk = self.logs(job_id, offset=start, limit=max(1, size - start))
+            chunk = self.logs(job_id, offset=start, limit=max(1, size - start), rank=rank)
             text = _last_lines(chunk.get("data") or "", lines, start == 0, want >= _TAIL_BYTES)
             if text is not None:
                 return {"data": text, "next_offset": int(chunk.get("next_offset", size))}
             want = min(want * 4, _TAIL_BYTES)
 
-    def follow_logs(self, job_id: str, *, offset: int = 0, poll_s: float = 1.0) -> Iterator[str]:
+    def follow_logs(
+        self, job_id: str, *, offset: int = 0, poll_s: float = 1.0, rank: int = 0
+    ) -> Iterator[str]:
         """The log's text as it grows, until the job has ended and everything was read."""
         job_id = self._jid(job_id)
         while True:
-            chunk = self.logs(job_id, offset=offset)
+            chunk = self.logs(job_id, offset=offset, rank=rank)
             if chunk.get("data"):
                 yield chunk["data"]
             offset = int(chunk.get("next_offset", offset))

@@ -21,12 +21,20 @@ __all__ = [
     "SPEC_FILE",
     "UnsafePath",
     "job_dir",
+    "rank_log_file",
     "resolve_inside",
     "try_lock",
 ]
 
 SPEC_FILE = "spec.json"
 LOG_FILE = "output.log"
+
+
+def rank_log_file(rank: int) -> str:
+    """A rank's own log where the run directory is not shared (an object store: an object
+    has one appender at a time); rank 0's is the job's log. On a shared run directory every
+    rank appends to LOG_FILE."""
+    return LOG_FILE if rank == 0 else f"output.rank{rank}.log"
 
 
 def job_dir(storage_root: Path, job_id: str) -> Path:

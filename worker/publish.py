@@ -42,6 +42,7 @@ from torchyard.contracts.eventmodel import CheckpointEvent
 from torchyard.storage import Storage, UnsafePath, job_key
 from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.local import LocalStorage, open_regular
+from torchyard.store.paths import rank_log_file
 
 __all__ = [
     "CheckpointGone",
@@ -81,7 +82,7 @@ class CheckpointGone(CheckpointRefused):
 
 def log_key_for_rank(job_id: str, rank: int) -> str:
     """The stored log a rank's host appends to: one appender per object."""
-    return job_key(job_id, "output.log" if rank == 0 else f"output.rank{rank}.log")
+    return job_key(job_id, rank_log_file(rank))
 
 
 @dataclass
@@ -207,8 +208,10 @@ class LogShipper:
 
     def __init__(self, storage: Storage, path: Path, key: str) -> None:
         self.storage, self.key = storage, key
-        self._fd = _open_log(path)
-        self._offset = 0
+        # The local log continues the stored one (a sparse file of its size): offsets go on
+        # from it, and the log cap (worker/logpump.py) counts every attempt's bytes.
+        self._offset = _stored_size(storage, key)
+        self._fd = _open_log(path, self._offset)
         self._stop = threading.Event()
         self._warned = False
         self._thread = threading.Thread(target=self._run, name="log-ship", daemon=True)
@@ -246,14 +249,28 @@ class LogShipper:
         os.close(self._fd)
 
 
-def _open_log(path: Path) -> int:
-    """The local log, created empty for this attempt (the stored log holds the rest)."""
+def _stored_size(storage: Storage, key: str) -> int:
+    """How long the stored log is (0: none yet, or the store is out of reach: then this
+    attempt's log starts its own count)."""
+    try:
+        return storage.stat(key).size
+    except FileNotFoundError:
+        return 0
+    except (OSError, UnsafePath) as e:
+        log.warning("log %s: its stored size is unknown (%s); counting from 0", key, e)
+        return 0
+
+
+def _open_log(path: Path, size: int) -> int:
+    """The local log for this attempt: `size` bytes of holes standing for what the stored
+    log already holds (nothing of an earlier attempt's local file is kept or shipped)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         if path.is_symlink() or not path.is_file():
             path.unlink()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.ftruncate(fd, 0)
+    os.ftruncate(fd, size)
     return fd
 
 

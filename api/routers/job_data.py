@@ -15,7 +15,7 @@ from torchyard.api.views import etag, etag_matches
 from torchyard.storage import UnsafePath, job_key, storage_for
 from torchyard.store.jobs import get_job, job_version
 from torchyard.store.metrics import query_page, query_series
-from torchyard.store.paths import LOG_FILE
+from torchyard.store.paths import LOG_FILE, rank_log_file
 from torchyard.store.states import TERMINAL
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,11 @@ def _utf8_cut(chunk: bytes) -> int:
     summary="The trainer's output",
     description=(
         "Bytes `offset` to `offset + limit` of the job's log (all attempts, one header line "
-        "each), as text. Follow with `offset = next_offset` until `complete`. A log the job "
-        "replaced with a symbolic link is never followed: 404 `file_refused`."
+        "each), as text. Follow with `offset = next_offset` until `complete`. `rank`: which "
+        "rank's output, for a job of several ranks on an object store (each rank's host ships "
+        "its own log; on a shared file system every rank writes the one log, served for any "
+        "rank). A log the job replaced with a symbolic link is never followed: 404 "
+        "`file_refused`."
     ),
     responses=responses(401, 404, 422, 503),
 )
@@ -120,14 +123,21 @@ def get_logs(
     settings: SettingsDep,
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     limit: Annotated[int, Query(ge=1, le=4 * 1024 * 1024)] = 256 * 1024,
+    rank: Annotated[int, Query(ge=0, le=2**20)] = 0,
 ) -> LogChunk:
     found = get_job(session, user.viewer, job_id)
     if found is None:
         raise not_found()
     job = found[0]
+    if rank >= job.world_size:
+        raise validation_error(
+            [("rank", f"the job has {job.world_size} rank(s): 0 to {job.world_size - 1}")]
+        )
     terminal = job.state in TERMINAL
+    storage = storage_for(settings)
+    name = LOG_FILE if storage.stored_run_dirs else rank_log_file(rank)
     try:
-        chunk, size = storage_for(settings).read_range(job_key(job.id, LOG_FILE), offset, limit)
+        chunk, size = storage.read_range(job_key(job.id, name), offset, limit)
     except (FileNotFoundError, NotADirectoryError):
         return LogChunk(data="", offset=0, next_offset=0, size=0, complete=terminal)
     except (UnsafePath, PermissionError) as e:

@@ -224,3 +224,38 @@ def test_logs_with_offsets(
     done = client.get(url, params={"offset": size}, headers=alice).json()
     assert done["complete"] is True
     assert client.get(url, params={"limit": 5}, headers=alice).json()["complete"] is False
+
+
+def test_each_ranks_log_where_run_directories_are_not_shared(
+    client: TestClient,
+    alice: dict[str, str],
+    settings: Settings,
+    factory: Factory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a shared file system every rank writes the one log (served for any rank); on an
+    object store each rank's host ships its own, served by `rank`. A rank the job does not
+    have is a 422 naming `rank`."""
+    import torchyard.api.routers.job_data as route
+    from torchyard.storage import job_key
+    from torchyard.storage.memory import MemoryStorage
+
+    job = factory.job("alice", state="running", world_size=2)
+    url = f"/v1/jobs/{job}/logs"
+    shared = job_dir(settings.storage, job) / LOG_FILE
+    shared.parent.mkdir(parents=True)
+    shared.write_text("rank 0 and rank 1 lines\n")
+    for rank in (0, 1):
+        r = client.get(url, params={"rank": rank}, headers=alice)
+        assert r.json()["data"] == "rank 0 and rank 1 lines\n"
+    bad = client.get(url, params={"rank": 2}, headers=alice)
+    assert bad.status_code == 422 and bad.json()["error"]["details"][0]["field"] == "rank"
+
+    store = MemoryStorage(tmp_path / "scratch")
+    monkeypatch.setattr(route, "storage_for", lambda _settings: store)
+    store.append(job_key(job, "output.log"), b"rank 0 here\n")
+    store.append(job_key(job, "output.rank1.log"), b"rank 1 here\n")
+    assert client.get(url, headers=alice).json()["data"] == "rank 0 here\n"
+    one = client.get(url, params={"rank": 1}, headers=alice).json()
+    assert one["data"] == "rank 1 here\n" and one["size"] == len("rank 1 here\n")

@@ -126,6 +126,17 @@ def test_logs_tail_shows_the_last_lines(run: Run, store: Store, ty: Client) -> N
     assert rc == 2 and "not allowed with" in err
 
 
+def test_logs_rank_is_passed_on_and_checked(run: Run, store: Store) -> None:
+    job_id = store.job(state="succeeded")
+    _log(store, job_id, "only rank 0\n")
+    rc, out, _ = run("logs", job_id, "--rank", "0")
+    assert rc == 0 and out == "only rank 0\n"
+    rc, _, err = run("logs", job_id, "--rank", "1")
+    assert rc == 2 and "rank: the job has 1 rank(s)" in err, err
+    rc, _, err = run("logs", job_id, "--rank", "-1")
+    assert rc == 2 and "must be a rank" in err
+
+
 def test_last_lines_never_shows_the_middle_of_a_line() -> None:
     assert _last_lines("a\nb\nc\n", 2, True, False) == "b\nc\n"
     assert _last_lines("a\nb\nc", 2, True, False) == "b\nc"

@@ -17,6 +17,7 @@ from torchyard.storage import job_key
 from torchyard.storage.base import ObjectInfo, StorageUnavailable
 from torchyard.storage.memory import MemoryStorage
 from torchyard.worker import publish
+from torchyard.worker.logpump import LogPump
 from torchyard.worker.publish import (
     CheckpointRefused,
     CheckpointUploads,
@@ -156,10 +157,13 @@ def test_the_log_ships_whole_and_in_order_across_an_outage(
     monkeypatch.setattr(publish, "SHIP_MAX", 64)
     log_path = tmp_path / "run" / "output.log"
     log_path.parent.mkdir()
-    log_path.write_bytes(b"an earlier attempt's lines, already stored\n")
+    log_path.write_bytes(b"a stale local copy, never shipped again\n")
     key = job_key(JOB, "output.log")
+    earlier = b"an earlier attempt's lines, already stored\n"
+    store.append(key, earlier)
     ship = LogShipper(store, log_path, key)
-    assert log_path.read_bytes() == b""  # this attempt's log starts empty on this host
+    # This attempt's local log holds only holes where the stored log's bytes are.
+    assert log_path.read_bytes() == b"\0" * len(earlier)
     lines = [f"line {i}\n".encode() for i in range(200)]
     with open(log_path, "ab") as f:
         for i, line in enumerate(lines):
@@ -173,7 +177,25 @@ def test_the_log_ships_whole_and_in_order_across_an_outage(
     log_path.symlink_to("/etc/passwd")
     ship.close(wait_s=5)
     data, size = store.read_range(key, 0, 1 << 20)
-    assert data == b"".join(lines) and size == len(data)
+    assert data == earlier + b"".join(lines) and size == len(data)
+
+
+def test_the_log_cap_counts_every_attempt_on_any_host(store: Flaky, tmp_path: Path) -> None:
+    """TORCHYARD_MAX_LOG_BYTES caps the job's log, not each attempt's: a new attempt on a
+    fresh host gets only what the stored log has left."""
+    key = job_key(JOB, "output.log")
+    store.append(key, b"x" * 900)
+    log_path = tmp_path / "fresh-host" / "output.log"
+    ship = LogShipper(store, log_path, key)
+    r, w = os.pipe()
+    pump = LogPump(r, 1000, log_path)
+    os.write(w, b"y" * 500)
+    os.close(w)
+    pump.join(5)
+    ship.close(wait_s=5)
+    data, _ = store.read_range(key, 0, 1 << 20)
+    assert data.startswith(b"x" * 900 + b"y" * 100)
+    assert b"y" * 101 not in data and b"log cut" in data
 
 
 def test_a_new_host_continues_the_record_and_a_stale_file_is_cut(tmp_path: Path) -> None:
