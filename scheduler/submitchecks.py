@@ -1,8 +1,8 @@
 """The rules a submit is checked against, whatever its entry point (scheduler/submit.py runs
-them): the spec itself and what only the server knows (the data set on disk, the world size,
-the model and data-set size limits), the permissions (running one's own code, a priority
-above the user's `max_priority`, a priority nobody can preempt, over a sweep's whole space)
-and the `max_queued` quota; and the warnings of a job that is stored
+them): the spec itself and what only the server knows (the data set on disk or in the object
+store, the world size, the model and data-set size limits), the permissions (running one's
+own code, a priority above the user's `max_priority`, a priority nobody can preempt, over a
+sweep's whole space) and the `max_queued` quota; and the warnings of a job that is stored
 all the same (a world size the pool cannot give now). The spec's references (a bundle and its
 script, an `init` job) are submitrefs.py's.
 
@@ -13,6 +13,7 @@ module, called through it, so that one patched rule is seen by every entry point
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol
 
@@ -24,12 +25,16 @@ from torchyard.scheduler import modelsize
 from torchyard.scheduler import space as sp
 from torchyard.scheduler.policy import Kind, describe_kind, kind_of
 from torchyard.settings import Settings
+from torchyard.storage import datasets as stored_sets
+from torchyard.storage import storage_for
+from torchyard.storage.keys import dataset_manifest_key
 from torchyard.store.jobs import idempotency_key_used
 from torchyard.store.models import User
 from torchyard.store.queue import live_counts
 from torchyard.store.quotas import max_priority_of, over_max_queued
 from torchyard.store.workers import stale_cutoff
 
+log = logging.getLogger(__name__)
 Problems = list[tuple[str, str]]
 MIN_PRIORITY = -1000  # the spec's lowest priority, and the lowest max_priority
 # What a refusal is; the API answers 422, 403, 429 and 409 (api/errors.py: `refused`).
@@ -102,22 +107,43 @@ def raw_place_problems(obj: Any, settings: Settings) -> Problems:
 
 
 def place_problems(settings: Settings, data: str | None, world_size: int | None) -> Problems:
-    """The data set is on disk; the world size is allowed. (A script job has no `data`: its
-    script reads its own.)"""
+    """The data set is on disk (or, with an object store, in the store: the workers pull
+    it); the world size is allowed. (A script job has no `data`: its script reads its own.)"""
     problems = []
     missing = [str(p) for p in datasets.missing_dataset_files(data, settings.data)] if data else []
-    if missing:
-        problems.append(
-            (
-                "data.name",
-                f"data set '{data}' is not on the server; looked for " + ", ".join(missing),
-            )
-        )
+    if data and missing and not dataset_stored(settings, data):
+        problems.append(("data.name", missing_data_message(settings, data, missing)))
     if world_size is not None and world_size > settings.max_world_size:
         problems.append(
             ("world_size", f"must be <= {settings.max_world_size} (TORCHYARD_MAX_WORLD_SIZE)")
         )
     return problems
+
+
+def dataset_stored(settings: Settings, name: str) -> bool:
+    """With an object store: whether it holds the data set `name` (its manifest: one HEAD).
+    A store out of reach does not refuse the job (its worker retries the pull)."""
+    storage = storage_for(settings)
+    if storage.stored_run_dirs or not stored_sets.needs_files(name):
+        return False
+    try:
+        return storage.exists(dataset_manifest_key(name))
+    except OSError as e:
+        log.warning("data set %s: the store did not answer (%s); accepted unchecked", name, e)
+        return True
+
+
+def missing_data_message(settings: Settings, name: str, missing: list[str]) -> str:
+    """What the data.name problem says: where it looked, and how an admin adds the set."""
+    where = f"data set '{name}' is not on the server; looked for " + ", ".join(missing)
+    storage = storage_for(settings)
+    if not storage.stored_run_dirs and stored_sets.needs_files(name):
+        where += f", and for {storage.describe(dataset_manifest_key(name))}"
+    if name.startswith("imagefolder/"):
+        fix = f"torchyard data upload DIR --name {name.partition('/')[2]}"
+    else:
+        fix = f"torchyard data import {name} FILE…"
+    return f"{where} (an admin adds it with `{fix}`)"
 
 
 def limit_problems(spec: job_spec.JobSpec, settings: Settings) -> Problems:

@@ -2,7 +2,8 @@
 check every key passes before any backend touches it.
 
 A key is a relative POSIX path (`jobs/<job_id>/checkpoints/step-00000010.pt`,
-`bundles/<sha256>.tar.gz`), never a user's path: absolute names, `..` parts and NUL are
+`bundles/<sha256>.tar.gz`, `datasets/mnist.json`, `datasets/blobs/<sha256>`), never a
+user's path: absolute names, `..` parts and NUL are
 refused with `UnsafePath`, and `.` or empty parts are dropped, so one object has one key.
 A key's *scope* is the folder it must not leave once a backend resolves it (symlinks on the
 local file system): a job's folder for a job's files, the top folder otherwise.
@@ -14,10 +15,13 @@ import re
 
 __all__ = [
     "BUNDLES",
+    "DATASETS",
     "JOBS",
     "UnsafePath",
     "bundle_key",
     "check_key",
+    "dataset_blob_key",
+    "dataset_manifest_key",
     "is_bundle_id",
     "job_key",
     "job_prefix",
@@ -26,6 +30,7 @@ __all__ = [
 
 JOBS = "jobs"  # jobs/<job_id>/…: a job's run directory, all attempts
 BUNDLES = "bundles"  # bundles/<sha256>.tar.gz and its names file
+DATASETS = "datasets"  # datasets/<name>.json (a manifest), datasets/blobs/<sha256> (a file)
 
 _JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 _BUNDLE_ID = re.compile(r"^[0-9a-f]{64}$")
@@ -81,3 +86,20 @@ def bundle_key(bundle_id: str, suffix: str = ".tar.gz") -> str:
     if not is_bundle_id(bundle_id):
         raise UnsafePath(f"not a bundle id (64 lowercase hex digits): {bundle_id!r}")
     return f"{BUNDLES}/{bundle_id}{suffix}"
+
+
+def dataset_manifest_key(name: str) -> str:
+    """`datasets/<name>.json`: a stored data set's manifest (`mnist`, `imagefolder/<dir>`:
+    the `/` of an imagefolder name is a folder of the store). The name must already be one
+    the spec allows (storage/datasets.py checks it); this refuses only an unsafe key."""
+    clean = check_key(name)
+    if clean != name or clean.split("/")[0] == "blobs":
+        raise UnsafePath(f"not a data set name: {name!r}")
+    return f"{DATASETS}/{clean}.json"
+
+
+def dataset_blob_key(sha256: str) -> str:
+    """`datasets/blobs/<sha256>`: one data-set file, named by the sha256 of its bytes."""
+    if not is_bundle_id(sha256):
+        raise UnsafePath(f"not a sha256 (64 lowercase hex digits): {sha256!r}")
+    return f"{DATASETS}/blobs/{sha256}"

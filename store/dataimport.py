@@ -1,5 +1,11 @@
 """`torchyard data import NAME FILE…`: put MNIST, Fashion-MNIST or CIFAR-10 into the data root
-of a server that cannot download them.
+of a server that cannot download them; `torchyard data upload DIR --name NAME`: an ImageFolder
+set (`imagefolder/NAME`); `torchyard data list`.
+
+With an object store (TORCHYARD_STORAGE_URL=s3://…) both publish the set to the store instead
+of the local data root (storage/datasets.py: content-addressed blobs, then the manifest), and
+every worker host pulls it into its own data root before a job reads it; `--local` writes
+into this host's data root all the same.
 
 The files are the official archives, fetched anywhere and copied over: MNIST's and
 Fashion-MNIST's four `*-ubyte.gz` files, CIFAR-10's `cifar-10-python.tar.gz`. Each is checked
@@ -26,7 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchyard.contracts.datasets import missing_dataset_files
+from torchyard.contracts.spec import IMAGEFOLDER_RE
 from torchyard.settings import get_settings
+from torchyard.storage import Storage, storage_for
+from torchyard.storage.datasets import (
+    BUILTIN_FOLDERS,
+    DatasetRejected,
+    Published,
+    publish_dataset,
+    readable_by_all,
+    scan_tree,
+    stored_datasets,
+)
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 # The largest member of the official CIFAR-10 archive is ~31 MB; a bigger one is not it.
@@ -210,12 +227,17 @@ def _replace_dir(folder: Path, target: Path, force: bool) -> None:
     shutil.rmtree(old)
 
 
-def import_dataset(name: str, files: list[Path], data_root: Path, force: bool = False) -> Path:
-    """Check and unpack one data set's official files into `data_root`; returns its folder."""
+def _checked_archives(name: str, files: list[Path]) -> tuple[DataImport, dict[str, Path]]:
     spec = _spec_for(name)
     archives = find_archives(spec, files)
     for fname, path in archives.items():
         _check_md5(path, spec.archives[fname], str(path))
+    return spec, archives
+
+
+def import_dataset(name: str, files: list[Path], data_root: Path, force: bool = False) -> Path:
+    """Check and unpack one data set's official files into `data_root`; returns its folder."""
+    spec, archives = _checked_archives(name, files)
     target = data_root / spec.folder
     if target.exists() and not force:  # before the minutes of unpacking, not after
         raise ImportRefused(f"{target} already exists: --force replaces it")
@@ -232,21 +254,126 @@ def import_dataset(name: str, files: list[Path], data_root: Path, force: bool = 
     return target
 
 
-def readable_by_all(folder: Path) -> None:
-    """Data sets are shared by every job, and trainers run as the sandbox's own user
-    (worker/sandbox.py): whatever the service's umask, they may read, never write."""
-    for root, _dirs, files in os.walk(folder):
-        os.chmod(root, 0o755)
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
+def import_to_store(
+    storage: Storage, name: str, files: list[Path], force: bool = False
+) -> Published:
+    """Check and unpack one data set's official files (in a staging folder of the storage),
+    then publish them as the data set `name`: its folder as torchvision lays it out."""
+    spec, archives = _checked_archives(name, files)
+    stage = Path(tempfile.mkdtemp(prefix=f".{name}.import-", dir=storage.staging_dir("datasets")))
+    try:
+        parent = stage / Path(spec.folder).parent  # MNIST/raw: unpacked into MNIST/
+        parent.mkdir(parents=True, exist_ok=True)
+        (_unpack_tar if spec.members else _unpack_idx)(spec, archives, parent)
+        return publish_dataset(storage, name, stage / spec.folder.split("/")[0], force=force)
+    except DatasetRejected as e:
+        raise ImportRefused(str(e)) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- ImageFolder
+
+# What torchvision's ImageFolder reads (torchvision/datasets/folder.py: IMG_EXTENSIONS).
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def imagefolder_name(name: str) -> str:
+    """`NAME` (or `imagefolder/NAME`) as the data set's full name, checked."""
+    full = name if name.startswith("imagefolder/") else f"imagefolder/{name}"
+    if not IMAGEFOLDER_RE.fullmatch(full):
+        raise ImportRefused(
+            f"--name {name!r}: letters, digits, '_', '.' and '-' (not first), at most 200"
+        )
+    if full.partition("/")[2] in BUILTIN_FOLDERS:
+        raise ImportRefused(f"--name {name!r} is a built-in data set's folder: choose another")
+    return full
+
+
+def _classes(split: Path) -> dict[str, int]:
+    """Each class folder of `split` (as ImageFolder finds them) -> its image files."""
+    found = {}
+    with os.scandir(split) as it:
+        for d in sorted((e for e in it if e.is_dir(follow_symlinks=False)), key=lambda e: e.name):
+            n = 0
+            for _root, _dirs, files in os.walk(d.path):
+                n += sum(1 for f in files if f.lower().endswith(IMAGE_SUFFIXES))
+            found[d.name] = n
+    return found
+
+
+def check_imagefolder(folder: Path) -> tuple[list[str], int]:
+    """`folder` is what the trainer reads as `imagefolder/<dir>` (trainer/data.py: torchvision's
+    ImageFolder over `train/` and `val/`): the same class folders in both, each holding
+    images. Its class names and image count; ImportRefused naming what is wrong."""
+    counts = {}
+    for split in ("train", "val"):
+        path = folder / split
+        if path.is_symlink() or not path.is_dir():
+            raise ImportRefused(f"{folder}: no {split}/ folder (it needs train/<class>/<image>…"
+                                " and val/<class>/<image>…)")  # fmt: skip
+        counts[split] = _classes(path)
+        if not counts[split]:
+            raise ImportRefused(f"{path}: no class folders")
+        if empty := [c for c, n in counts[split].items() if n == 0]:
+            raise ImportRefused(
+                f"{path}: no images ({', '.join(IMAGE_SUFFIXES)}) in " + ", ".join(empty)
+            )
+    if list(counts["train"]) != list(counts["val"]):
+        raise ImportRefused(
+            f"{folder}: train/ has classes {list(counts['train'])}, val/ {list(counts['val'])}"
+        )
+    return list(counts["train"]), sum(sum(c.values()) for c in counts.values())
+
+
+def upload_local(folder: Path, name: str, data_root: Path, force: bool = False) -> Path:
+    """Copy the ImageFolder set `folder` into `data_root/<dir>` (a staging folder beside it,
+    then a rename); links and special files are refused."""
+    full = imagefolder_name(name)
+    check_imagefolder(folder)
+    try:
+        files = scan_tree(folder)
+    except DatasetRejected as e:
+        raise ImportRefused(str(e)) from None
+    target = data_root / full.partition("/")[2]
+    if target.exists() and not force:
+        raise ImportRefused(f"{target} already exists: --force replaces it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.upload-", dir=target.parent))
+    try:
+        tree = stage / target.name
+        for rel, path, _size in files:
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, tree / rel, follow_symlinks=False)
+        readable_by_all(tree)
+        _replace_dir(tree, target, force)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return target
+
+
+def upload_to_store(storage: Storage, folder: Path, name: str, force: bool = False) -> Published:
+    """Publish the ImageFolder set `folder` to the store as `imagefolder/<name>`."""
+    full = imagefolder_name(name)
+    check_imagefolder(folder)
+    try:
+        return publish_dataset(storage, full, folder, force=force)
+    except DatasetRejected as e:
+        raise ImportRefused(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchyard data",
-        description="data sets in the server's data root (TORCHYARD_DATA_ROOT)",
+        description="data sets: in the server's data root (TORCHYARD_DATA_ROOT), or in the "
+        "object store (TORCHYARD_STORAGE_URL=s3://…), from which every worker pulls them",
     )
     parser.add_argument("--data-root", type=Path, help="default: TORCHYARD_DATA_ROOT")
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="write into the data root even when the storage is an object store",
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     imp = sub.add_parser(
         "import",
@@ -257,26 +384,81 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("name", metavar="NAME", help=", ".join(IMPORTS))
     imp.add_argument("files", metavar="FILE", nargs="+", type=Path)
     imp.add_argument("--force", action="store_true", help="replace the set if it is there")
-    sub.add_parser("list", help="which built-in data sets the data root holds")
+    up = sub.add_parser(
+        "upload",
+        help="an ImageFolder set (DIR/train/<class>/<image>…, DIR/val/…) as imagefolder/NAME",
+    )
+    up.add_argument("dir", metavar="DIR", type=Path)
+    up.add_argument("--name", required=True, help="the set is then data.name imagefolder/NAME")
+    up.add_argument("--force", action="store_true", help="replace the set if it is there")
+    sub.add_parser("list", help="which data sets the data root (and the object store) hold")
     return parser
+
+
+def _object_store(local: bool) -> Storage | None:
+    """The configured storage where it is an object store (and `--local` was not given)."""
+    if local:
+        return None
+    storage = storage_for(get_settings())
+    return None if storage.stored_run_dirs else storage
+
+
+def _list(root: Path, storage: Storage | None) -> None:
+    for name, spec in IMPORTS.items():
+        missing = missing_dataset_files(name, root)
+        state = "missing " + ", ".join(p.name for p in missing) if missing else "present"
+        print(f"{name:<14} {root / spec.folder}: {state}")
+    if storage is None:
+        return
+    print(f"in the object store ({storage.describe('datasets')}):")
+    sets = stored_datasets(storage)
+    for m in sets:
+        print(f"{m.name:<14} {len(m.files)} files, {m.total_bytes} bytes, created {m.created}")
+    if not sets:
+        print("(none)")
+
+
+def _said(p: Published) -> str:
+    m = p.manifest
+    what = "already in the store, unchanged" if p.unchanged else "stored"
+    return (
+        f"{what}: {p.key} ({len(m.files)} files, {m.total_bytes} bytes; "
+        f"{p.uploaded} uploaded, {p.present} already there); every worker pulls it"
+    )
+
+
+def _run(args: argparse.Namespace, root: Path, storage: Storage | None) -> str:
+    """The import or upload asked for; what to print."""
+    if args.action == "upload":
+        if storage is not None:
+            published = upload_to_store(storage, args.dir, args.name, force=args.force)
+            return f"{published.manifest.name}: {_said(published)}"
+        target = upload_local(args.dir, args.name, root, force=args.force)
+        return f"{imagefolder_name(args.name)}: copied into {target}"
+    if storage is not None:
+        published = import_to_store(storage, args.name, args.files, force=args.force)
+        return f"{args.name}: checksums match torchvision's; {_said(published)}"
+    target = import_dataset(args.name, args.files, root, force=args.force)
+    return f"{args.name}: checksums match torchvision's; unpacked into {target}"
 
 
 def data_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     root: Path = (args.data_root or get_settings().data).resolve()
-    if args.action == "list":
-        for name, spec in IMPORTS.items():
-            missing = missing_dataset_files(name, root)
-            state = "missing " + ", ".join(p.name for p in missing) if missing else "present"
-            print(f"{name:<14} {root / spec.folder}: {state}")
-        return EXIT_OK
+    storage: Storage | None = None
     try:
-        target = import_dataset(args.name, args.files, root, force=args.force)
+        storage = _object_store(args.local)
+        if args.action == "list":
+            _list(root, storage)
+            return EXIT_OK
+        print(_run(args, root, storage))
     except ImportRefused as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
-        print(f"error: cannot write into the data root {root}: {e}", file=sys.stderr)
+        if storage is not None:
+            print(f"error: the object store failed: {e}", file=sys.stderr)
+        else:
+            print(f"error: cannot write into the data root {root}: {e}", file=sys.stderr)
         return EXIT_FAIL
-    print(f"{args.name}: checksums match torchvision's; unpacked into {target}")
     return EXIT_OK

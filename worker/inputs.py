@@ -1,11 +1,13 @@
 """What a job brings besides its spec, made ready on this host before its trainer starts:
-its code bundle (unpacked once per bundle and host, content-checked: store/bundlefiles.py)
-and the file of weights its `init` names (checked against its recorded sha256). Both are
-read from storage through the seam (torchyard.storage): their own files on a local
-backend, a copy fetched to this host otherwise.
+its code bundle (unpacked once per bundle and host, content-checked: store/bundlefiles.py),
+the file of weights its `init` names (checked against its recorded sha256) and, with an
+object store, its data set (pulled into this host's data root and checked:
+storage/datasets.py). All are read from storage through the seam (torchyard.storage):
+their own files on a local backend, a copy fetched to this host otherwise.
 
 A problem here is the job's, and running it again would meet it again: `InputError`
-fails the attempt without a retry. A full disk is not the job's (an OSError: handed back).
+fails the attempt without a retry. A full disk or a store out of reach is not the job's
+(an OSError: a full disk hands the attempt back, another failure is counted and retried).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sqlalchemy.orm import Session
 from torchyard.settings import Settings
 from torchyard.storage import storage_for
 from torchyard.storage.base import ChecksumMismatch
+from torchyard.storage.datasets import DatasetRejected, needs_files, sync_dataset
 from torchyard.storage.keys import UnsafePath
 from torchyard.store.bundlefiles import BundleRejected, archive_key, unpack_stored
 from torchyard.store.checkpoints import checkpoint_key, init_checkpoint
@@ -25,7 +28,7 @@ from torchyard.store.models import Checkpoint
 
 
 class InputError(Exception):
-    """The job's bundle or init weights cannot be had: fail it, do not retry."""
+    """The job's bundle, init weights or data set cannot be had: fail it, do not retry."""
 
 
 def bundle_cache(settings: Settings) -> Path:
@@ -81,3 +84,23 @@ def init_file(settings: Settings, row: Checkpoint) -> Path:
         raise InputError(
             f"init: the file of job {row.job_id}'s checkpoint {row.path} is gone"
         ) from None
+
+
+def data_ready(settings: Settings, spec: dict[str, Any]) -> Path | None:
+    """With an object store: the job's data set (one of files: `mnist`, `imagefolder/<dir>`,
+    …) made to match the store's copy in this host's data root (TORCHYARD_DATA_ROOT), where
+    the trainer reads it; its folder. None when there is nothing to pull: a local storage
+    (the data root is the admin's), a set of no files, or one the store does not hold (the
+    data root is used as it is). A bad manifest, a missing blob or one that does not match
+    its sha256 is an InputError; the store out of reach, an OSError."""
+    data = spec.get("data")
+    name = data.get("name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not needs_files(name) or spec.get("entrypoint"):
+        return None
+    storage = storage_for(settings)
+    if storage.stored_run_dirs:
+        return None
+    try:
+        return sync_dataset(storage, name, settings.data)
+    except DatasetRejected as e:
+        raise InputError(str(e)) from None

@@ -78,7 +78,7 @@ from torchyard.worker.events import (
     last_rank_event,
 )
 from torchyard.worker.identity import Device, is_loopback
-from torchyard.worker.inputs import InputError, code_dir, init_file, init_source
+from torchyard.worker.inputs import InputError, code_dir, data_ready, init_file, init_source
 from torchyard.worker.launcher import (
     Launcher,
     LaunchRequest,
@@ -728,6 +728,7 @@ class Supervision:
             start = self._ingest_backlog()  # may record the last checkpoint: look after it
             picked = self._tx(lambda s: resume_pick(s, self.c.job_id, self.storage))
         code = code_dir(self.ctx.settings, self.c.spec)
+        data_ready(self.ctx.settings, self.c.spec)
         rdv = self._rendezvous(picked)
         if rdv is None:
             if self.ctx.stopping.is_set():

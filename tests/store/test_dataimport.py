@@ -9,11 +9,15 @@ import dataclasses
 import gzip
 import hashlib
 import io
+import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,3 +236,141 @@ def test_the_module_does_not_load_torch() -> None:
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- data upload (ImageFolder)
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(16)  # only the name matters to the checks
+
+
+def _imagefolder(folder: Path, classes: tuple[str, ...] = ("cat", "dog")) -> Path:
+    for split in ("train", "val"):
+        for c in classes:
+            (folder / split / c).mkdir(parents=True, exist_ok=True)
+            (folder / split / c / f"{split}-{c}.png").write_bytes(PNG + c.encode())
+    return folder
+
+
+def test_upload_copies_an_imagefolder_set_into_the_data_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _imagefolder(tmp_path / "pets")
+    root = tmp_path / "data"
+    argv = ["--data-root", str(root), "upload", str(src), "--name", "pets"]
+    assert data_main(argv) == 0
+    assert f"imagefolder/pets: copied into {root / 'pets'}" in capsys.readouterr().out
+    assert (root / "pets/val/dog/val-dog.png").read_bytes() == PNG + b"dog"
+    assert missing_dataset_files("imagefolder/pets", root) == [] and _leftovers(root) == []
+    assert (root / "pets/train/cat").stat().st_mode & 0o777 == 0o755
+    assert data_main(argv) == 2
+    assert "already exists: --force replaces it" in capsys.readouterr().err
+    (src / "train/cat/more.png").write_bytes(PNG)
+    assert data_main([*argv, "--force"]) == 0
+    assert (root / "pets/train/cat/more.png").is_file() and _leftovers(root) == []
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: shutil.rmtree(d / "val"), "no val/ folder"),
+        (lambda d: shutil.rmtree(d / "val/dog"), "train/ has classes ['cat', 'dog'], val/ ['cat']"),
+        (lambda d: (d / "train/dog/train-dog.png").rename(d / "train/dog/x.txt"), "no images"),
+        (lambda d: (d / "train/cat/link.png").symlink_to("/etc/passwd"), "link.png: a symbolic link"),
+        (lambda d: os.mkfifo(d / "val/cat/p.png"), "p.png: not a regular file"),
+    ],
+)  # fmt: skip
+def test_upload_refuses_what_the_trainer_could_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, message: str
+) -> None:
+    src = _imagefolder(tmp_path / "pets")
+    damage(src)
+    root = tmp_path / "data"
+    assert data_main(["--data-root", str(root), "upload", str(src), "--name", "pets"]) == 2
+    assert message in capsys.readouterr().err
+    assert not root.exists() or list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("../x", "--name '../x': letters, digits"), ("MNIST", "a built-in data set's folder")],
+)
+def test_upload_refuses_bad_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, message: str
+) -> None:
+    src = _imagefolder(tmp_path / "pets")
+    argv = ["--data-root", str(tmp_path / "data"), "upload", str(src), "--name", name]
+    assert data_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- with an object store
+
+
+@pytest.fixture
+def object_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """TORCHYARD_STORAGE_URL=memory:// (an object store with no local paths): the storage
+    the command sees."""
+    from torchyard.settings import get_settings
+    from torchyard.storage import storage_for
+
+    monkeypatch.setenv("TORCHYARD_STORAGE_URL", "memory://")
+    monkeypatch.setenv("TORCHYARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TORCHYARD_DATA_ROOT", str(tmp_path / "admin-data"))
+    get_settings.cache_clear()
+    yield storage_for(get_settings())
+    get_settings.cache_clear()
+
+
+def test_import_publishes_to_the_object_store_and_a_host_pulls_it(
+    tmp_path: Path,
+    mnist: tuple[Path, dict[str, bytes]],
+    object_store: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torchyard.storage.datasets import read_manifest, sync_dataset
+
+    folder, plain = mnist
+    assert data_main(["import", "mnist", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "mnist: checksums match torchvision's; stored: datasets/mnist.json (4 files" in out
+    assert "4 uploaded, 0 already there" in out
+    assert not (tmp_path / "admin-data").exists()  # the store, not this host's data root
+    manifest, _ = read_manifest(object_store, "mnist")
+    assert manifest.folder == "MNIST"
+    assert sorted(e.path for e in manifest.files) == sorted(
+        f"raw/{n.removesuffix('.gz')}" for n in plain
+    )
+    host = tmp_path / "host-data"
+    assert sync_dataset(object_store, "mnist", host) == host / "MNIST"
+    assert missing_dataset_files("mnist", host) == []
+    for name, data in plain.items():
+        assert (host / "MNIST/raw" / name.removesuffix(".gz")).read_bytes() == data
+    # Again: nothing uploaded, the manifest kept (hosts keep their copies).
+    assert data_main(["import", "mnist", str(folder)]) == 0
+    assert "already in the store, unchanged" in capsys.readouterr().out
+    assert list((object_store.staging_dir("datasets")).iterdir()) == []  # no staging left
+    # --local: this host's data root, as without a store.
+    assert data_main(["--local", "import", "mnist", str(folder)]) == 0
+    assert missing_dataset_files("mnist", tmp_path / "admin-data") == []
+
+
+def test_upload_and_list_with_the_object_store(
+    tmp_path: Path, object_store: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _imagefolder(tmp_path / "pets")
+    assert data_main(["upload", str(src), "--name", "pets"]) == 0
+    assert "imagefolder/pets: stored: datasets/imagefolder/pets.json (4 files" in (
+        capsys.readouterr().out
+    )
+    assert object_store.exists("datasets/imagefolder/pets.json")
+    (src / "val/cat/val-cat.png").write_bytes(PNG + b"other")
+    assert data_main(["upload", str(src), "--name", "pets"]) == 2
+    assert "different 'imagefolder/pets'" in capsys.readouterr().err
+    assert data_main(["upload", str(src), "--name", "pets", "--force"]) == 0
+    # train/cat and val/cat held the same bytes (one blob); now four distinct ones.
+    assert "1 uploaded, 2 already there" in capsys.readouterr().out
+    assert data_main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3] == "in the object store (memory://datasets):"
+    assert lines[4].startswith("imagefolder/pets 4 files, ")
+    assert len(lines) == 5
