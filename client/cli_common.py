@@ -74,3 +74,12 @@ def age(value: Any) -> str:
 def duration(start: Any, end: Any) -> str | None:
     a, b = parse_time(start), parse_time(end)
     return render.human_duration((b - a).total_seconds()) if a and b else None
+
+
+def cancel_message(what: str, ident: str, state: str | None, *, already: bool) -> str:
+    """What `cancel` prints for a job or a sweep, in one form."""
+    if already:
+        return f"{what} {ident} already {state}: nothing to cancel"
+    if state == "cancelled":
+        return f"{what} {ident} cancelled"
+    return f"{what} {ident}: cancel requested (now {state or 'stopping'})"

@@ -16,6 +16,7 @@ from torchyard.client.cli_common import (
     EXIT_OK,
     JOB_HELP,
     age,
+    cancel_message,
     note,
     num,
     print_json,
@@ -175,16 +176,20 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
     """Exit 0 whenever the job no longer runs: cancelled now, before, or already ended (a
     cancel that finds nothing to stop has still got what it asked for)."""
     job_id = client.resolve_job_id(args.job)
+    before = client.job(job_id).get("state")
+    if before in TERMINAL_STATES:  # cancelled before, or ended: the same words either way
+        print(cancel_message("job", job_id, before, already=True))
+        return EXIT_OK
     try:
         job = client.cancel(job_id) or {}
-    except Conflict as e:
+    except Conflict as e:  # it ended between the two requests
         state = e.details.get("state") if isinstance(e.details, dict) else None
         if state not in TERMINAL_STATES:
             raise
-        print(f"job {job_id} already {state}: nothing to cancel")
+        print(cancel_message("job", job_id, state, already=True))
         return EXIT_OK
     state = job.get("state") if isinstance(job, dict) else None
-    print(f"cancel requested for {job_id}" + (f" (now {state})" if state else ""))
+    print(cancel_message("job", job_id, state, already=False))
     return EXIT_OK
 
 

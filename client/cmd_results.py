@@ -38,7 +38,11 @@ def add_result_commands(cmd: Callable[..., Any]) -> None:
     sp = cmd("download", cmd_download, "download a checkpoint, resumable, sha256-verified")
     sp.add_argument("job", help=JOB_HELP)
     sp.add_argument(
-        "-c", "--checkpoint", default="latest", help="checkpoint id or `latest` (default)"
+        "-c",
+        "--checkpoint",
+        default="latest",
+        help="`latest` (default), `weights`, a step (as `status` and the dashboard show "
+        "them) or `step:N` / `id:N`",
     )
     sp.add_argument("-o", "--output", help="file or directory to write (default: ./<job>-step<N>)")
 
@@ -78,13 +82,39 @@ def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
 def cmd_download(client: Client, args: argparse.Namespace) -> int:
     job_id = client.resolve_job_id(args.job)
     transfer = render.Transfer(sys.stderr)
+    spec = client.job(job_id).get("spec") or {}
     dl = client.download(job_id, args.checkpoint, args.output, on_progress=transfer)
     transfer.done(dl.bytes)
-    print(describe_download(dl))
+    print(describe_download(dl, spec))
     return EXIT_OK
 
 
-def describe_download(dl: Download) -> str:
+# What a model trained on each built-in data set takes (torchyard.load_model normalises).
+_INPUTS = {
+    "digits": "uint8 pixels 0..16 as scikit-learn's digits hold them, shape [N, 1, 8, 8]",
+    "mnist": "uint8 pixels 0..255, shape [N, 1, 28, 28]",
+    "fashion_mnist": "uint8 pixels 0..255, shape [N, 1, 28, 28]",
+    "cifar10": "uint8 pixels 0..255, shape [N, 3, 32, 32]",
+}
+
+
+def _input_of(data: dict[str, Any]) -> str:
+    name = str(data.get("name") or "")
+    if name in _INPUTS:
+        return _INPUTS[name]
+    if name == "synthetic":
+        shape = data.get("shape") or [1, 28, 28]
+        return f"uint8 values 0..255, shape [N, {', '.join(map(str, shape))}]"
+    if name.startswith("imagefolder/"):
+        crop = data.get("image_size") or 224
+        return f"uint8 RGB pixels 0..255, resized and center-cropped to [N, 3, {crop}, {crop}]"
+    return "what your data set's items hold, batched"
+
+
+def describe_download(dl: Download, spec: dict[str, Any] | None = None) -> str:
+    """Where the file went, and how to load it: what fits the job's kind (the trainer's
+    own model, a bundle's model, a script's tensors) and its data set's inputs."""
+    spec = spec or {}
     ck = dl.checkpoint
     lines = [
         f"saved {dl.path} ({render.human_bytes(dl.bytes)}, checkpoint {ck.get('id')} "
@@ -94,18 +124,27 @@ def describe_download(dl: Download) -> str:
         "load it with:",
     ]
     path = json.dumps(str(dl.path))
-    if dl.format == "safetensors":
+    model = str((spec.get("model") or {}).get("name") or "")
+    if dl.format == "safetensors" and spec.get("entrypoint"):
+        lines += [
+            "  from safetensors.torch import load_file",
+            f"  model.load_state_dict(load_file({path}))  # your script's model, built by you",
+        ]
+    elif dl.format == "safetensors":
+        code = ", code=DIR" if ":" in model else ""
         lines += [
             "  import torchyard",
-            f"  model = torchyard.load_model({path})  # eval mode; add code=DIR for a bundle's model",
-            "  logits = model(x)  # x as the data set's files hold it (uint8 pixels, digits 0..16)",
+            f"  model = torchyard.load_model({path}{code})  # eval mode"
+            + ("; DIR: the folder you submitted with --code" if code else ""),
+            f"  logits = model(x)  # x: {_input_of(spec.get('data') or {})}",
             "  # or the bare tensors: safetensors.torch.load_file(path)",
         ]
     else:
         lines += [
             "  import torch",
             f'  ckpt = torch.load({path}, map_location="cpu", weights_only=True)',
-            "  # ckpt['model'] is the model's state_dict",
+            "  # ckpt['model'] is the model's state_dict (a resume checkpoint: also the "
+            "optimizer's)",
         ]
     return "\n".join(lines)
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchyard.client import render
-from torchyard.client.cli_common import EXIT_OK, FULL_ID, age, print_json, show
+from torchyard.client.cli_common import EXIT_OK, FULL_ID, age, cancel_message, print_json, show
 from torchyard.client.errors import NotFound
 from torchyard.client.follow import follow_sweep
 from torchyard.client.sdk import Client, load_spec, match_prefix
@@ -107,8 +107,12 @@ def cmd_sweep_list(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_sweep_cancel(client: Client, args: argparse.Namespace) -> int:
     sweep_id = resolve_sweep_id(client, args.sweep)
+    before = client.get_sweep(sweep_id).get("state")
+    if before in ("succeeded", "failed", "cancelled"):
+        print(cancel_message("sweep", sweep_id, before, already=True))
+        return EXIT_OK
     state = (client.cancel_sweep(sweep_id) or {}).get("state")
-    print(f"cancel requested for sweep {sweep_id}" + (f" (now {state})" if state else ""))
+    print(cancel_message("sweep", sweep_id, state, already=False))
     return EXIT_OK
 
 

@@ -10,6 +10,8 @@ First hit wins, URL and token each (the README's "The CLI" and every `--help` sa
    `admin-token`
 5. `http://127.0.0.1:8000`, without a token
 
+A `TORCHYARD_TOKEN` that is set but empty is an error, never a reason to use a saved token.
+
 A saved token (3, 4) is sent only to the URL saved with it, so a `--url` naming another server
 never carries it there. Standard library only: `torchyard up` writes the file through here.
 """
@@ -148,6 +150,12 @@ def resolve(
     """The URL and token by the lookup order above. `given` names the explicit values in
     messages (`--url` for the CLI, the argument for the SDK)."""
     env = os.environ if env is None else env
+    if not token and "TORCHYARD_TOKEN" in env and not env["TORCHYARD_TOKEN"].strip():
+        # Never fall through to a saved (perhaps an admin's) token: the user meant one.
+        raise ConfigError(
+            "TORCHYARD_TOKEN is set but empty: give it a token, or `unset TORCHYARD_TOKEN` "
+            "to use the saved login"
+        )
     explicit = (url or env.get("TORCHYARD_URL")) and (token or env.get("TORCHYARD_TOKEN"))
     # Nothing to look up: a broken login file must not stop a command that does not need it.
     saved, cfg = None if explicit else load(env), config_path(env)

@@ -41,7 +41,8 @@ class SpecFileError(TorchyardError):
 
 
 class ConfigError(TorchyardError):
-    """The per-user login file exists but cannot be read or is not a login file."""
+    """The per-user login file exists but cannot be read or is not a login file, or a
+    setting is set but empty (TORCHYARD_TOKEN=)."""
 
     is_user_error = True
 

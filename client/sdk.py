@@ -216,11 +216,25 @@ class Client:
         `code`: a directory to run the job with. It is packed into a bundle (the same tree
         gives the same bundle id), uploaded unless the server already has it from you, and
         named as the spec's `code.bundle` (in a copy: `spec` is left as it was)."""
-        body = dict(spec)
+        body = self._full_init(spec)
         if code is not None:
             body["code"] = {"bundle": self.push_code(code)}
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._json("POST", "/v1/jobs", json=body, headers=headers)
+
+    def _full_init(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of the spec whose `init.from_job`, when a unique prefix of one of your
+        jobs' ids (as every command takes), is that job's full id (the API stores ids)."""
+        body = dict(spec)
+        init = body.get("init")
+        ref = init.get("from_job") if isinstance(init, Mapping) else None
+        if isinstance(ref, str) and _PREFIX.match(ref):
+            try:
+                full = self.resolve_job_id(ref)
+            except NotFound as e:
+                raise NotFound(e.status, e.code, f"init.from_job: {e.message}", e.details) from None
+            body["init"] = {**init, "from_job": full}  # type: ignore[dict-item]
+        return body
 
     def job(self, job_id: str) -> dict:
         """The job. Here and in every method that takes a job id, a unique prefix of the id
@@ -451,25 +465,49 @@ class Client:
 
     def checkpoint(self, job_id: str, checkpoint: str | int = "latest") -> dict:
         """One checkpoint's record. `latest` is the one of the highest step, the final
-        weights export winning a tie (it is what a user wants to load)."""
+        weights export winning a tie (it is what a user wants to load); `weights` the final
+        weights; `step:N` the checkpoint of step N (its weights export winning a tie);
+        `id:N` the checkpoint of id N; a bare number N is a step or an id, whichever one
+        the job has (both, naming different checkpoints: an error asking which)."""
         job_id = self._jid(job_id)
         every = self.checkpoints(job_id)
         # Records whose file keep_last already deleted cannot be downloaded.
         items = [c for c in every if c.get("available", True)]
-        if str(checkpoint) == "latest":
+        ref = str(checkpoint).strip()
+        listed = ", ".join(f"step {c.get('step')} (id {c['id']}, {c.get('kind')})" for c in items)
+        listed = listed or "none"
+
+        def best(cs: list[dict]) -> dict | None:
+            return max(cs, key=lambda c: (c.get("step", 0), c.get("kind") == "weights", c["id"]),
+                       default=None)  # fmt: skip
+
+        if ref == "latest":
             if not items:
                 raise _not_found(f"job {job_id} has no checkpoint yet")
-            return max(items, key=lambda c: (c.get("step", 0), c.get("kind") == "weights", c["id"]))
-        for c in items:
-            if str(c["id"]) == str(checkpoint):
-                return c
-        ids = ", ".join(str(c["id"]) for c in items) or "none"
-        if any(str(c["id"]) == str(checkpoint) for c in every):
+            return best(items)  # type: ignore[return-value]
+        if ref == "weights":
+            found = best([c for c in items if c.get("kind") == "weights"])
+            if found is None:
+                raise _not_found(f"job {job_id} has no final weights yet; available: {listed}")
+            return found
+        kind, _, num = ref.partition(":") if ":" in ref else ("", "", ref)
+        if kind not in ("", "step", "id") or not num.isdigit():
+            raise _not_found(f"not a checkpoint: {ref!r} (latest, weights, a step, step:N or id:N)")
+        by_id = next((c for c in items if str(c["id"]) == num), None) if kind != "step" else None
+        by_step = best([c for c in items if str(c.get("step")) == num]) if kind != "id" else None
+        if by_id is not None and by_step is not None and by_id["id"] != by_step["id"]:
             raise _not_found(
-                f"checkpoint {checkpoint} is no longer on disk (checkpoint.keep_last); "
-                f"available: {ids}"
+                f"{num} is both checkpoint id {num} (step {by_id.get('step')}) and step {num} "
+                f"(id {by_step['id']}) of job {job_id}: say id:{num} or step:{num}"
             )
-        raise _not_found(f"no checkpoint {checkpoint} in job {job_id}; available: {ids}")
+        if by_id is not None or by_step is not None:
+            return by_id or by_step  # type: ignore[return-value]
+        what = f"step {num}" if kind == "step" else f"id {num}" if kind == "id" else num
+        if kind != "step" and any(str(c["id"]) == num for c in every):
+            raise _not_found(
+                f"checkpoint {num} is no longer on disk (checkpoint.keep_last); available: {listed}"
+            )
+        raise _not_found(f"no checkpoint {what} in job {job_id}; available: {listed}")
 
     def download(
         self,
@@ -616,7 +654,10 @@ class Client:
     def create_sweep(self, sweep: Mapping[str, Any]) -> dict:
         """POST a sweep (`name`, `spec`, `space`, `objective`, `trials`, `parallel`, `sampler`,
         `pruner`, `seed`); returns it. Its trials are jobs of yours, queued by the scheduler."""
-        return self._json("POST", "/v1/sweeps", json=dict(sweep))
+        body = dict(sweep)
+        if isinstance(body.get("spec"), Mapping):
+            body["spec"] = self._full_init(body["spec"])
+        return self._json("POST", "/v1/sweeps", json=body)
 
     def get_sweep(self, sweep_id: str) -> dict:
         """The sweep: its state, every trial (`job_id`, `params`, `state`, `value`,

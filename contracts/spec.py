@@ -12,6 +12,7 @@ the size estimates the server's limits use are `contracts/datasets.py`.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from torchyard.contracts.specerrors import SpecError, validation_problems, without_excess_unknown
+from torchyard.contracts.torchvision_names import CLASSIFIERS
 
 BUILTIN_MODELS = ("mlp", "lenet", "resnet18")
 BUILTIN_DATA = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
@@ -57,7 +59,14 @@ def _name_problem(name: str, kind: str, builtin: tuple[str, ...], other: str) ->
     if kind == "builtin":
         if name in builtin:
             return None
-        return f"must be one of {', '.join(map(repr, builtin))}, '{other}' or 'module:function'"
+        hint = ""
+        if other.startswith("torchvision/") and name in CLASSIFIERS:
+            hint = f"; did you mean 'torchvision/{name}'?"
+        elif close := difflib.get_close_matches(name, builtin, n=1, cutoff=0.75):
+            hint = f"; did you mean '{close[0]}'?"
+        return (
+            f"must be one of {', '.join(map(repr, builtin))}, '{other}' or 'module:function'" + hint
+        )
     if kind == "factory":
         if not is_factory(name):
             return "must be 'module:function' (dotted module, one colon)"

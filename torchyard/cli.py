@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "data": (
         "torchyard.store.dataimport",
         "data_main",
-        "data sets in the data root: `data import NAME FILE…` (official archives), `data list`",
+        "data sets in the data root or the object store: `data import NAME FILE…` "
+        "(official archives), `data upload DIR --name NAME` (ImageFolder), `data list`",
     ),
     "token": (
         "torchyard.client.cli",
@@ -40,7 +41,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "metrics": ("torchyard.client.cli", "main", "show a job's metrics"),
     "download": ("torchyard.client.cli", "main", "download a checkpoint"),
     "workers": ("torchyard.client.cli", "main", "list workers"),
-    "sweep": ("torchyard.client.cli", "main", "hyperparameter sweeps: create, status, list"),
+    "sweep": (
+        "torchyard.client.cli",
+        "main",
+        "hyperparameter sweeps: create, status, list, cancel",
+    ),
     "quota": ("torchyard.client.cli", "main", "show or set a user's quota (setting: admins)"),
     "queue": ("torchyard.client.cli", "main", "queued jobs in the order they would start"),
     "ui": (

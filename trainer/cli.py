@@ -158,6 +158,9 @@ def enter_code_dir(code_dir: Path | None) -> None:
         return
     sys.path.insert(0, str(code_dir))
     os.chdir(code_dir)
+    from torchyard.trainer.failures import add_user_root  # (imports torch)
+
+    add_user_root(code_dir)  # an exception raised through its frames is the user's
 
 
 def _resume_path(arg: str | None, run_dir: Path) -> Path | None:

@@ -3,7 +3,9 @@
 The kinds decide what the scheduler does (worker/outcome.py): `data`, `out_of_memory`,
 `nonfinite_loss` and `unsupported` (an op `deterministic: true` cannot run) are the job's
 own and fail it at once, as do `user_code` (an exception raised by, or a wrong value
-returned from, the user's model, data set or script: `UserCodeError`), `init` (the
+returned from, the user's model, data set or script: `UserCodeError`; or any exception
+whose traceback passes through a frame of the user's code, such as a bundle model's
+`forward` called by our training loop), `init` (the
 spec's `init` weights do not fit the model), `spec` (it names a model this worker's
 torchvision lacks) and `model_too_large` (over TORCHYARD_MAX_MODEL_PARAMS); `storage_full` is the worker's and
 hands the job back (when the worker, looking at the file system itself, finds it full: user
@@ -63,6 +65,39 @@ def chain(e: BaseException) -> Iterator[BaseException]:
         for inner in (x.__cause__, x.__context__, getattr(x, "inner_exception", None)):
             if isinstance(inner, BaseException):
                 todo.append(inner)
+
+
+# Where the user's code lives in this process: the job's code bundle, and the folder of each
+# installed package a factory was imported from (trainer/usercode.py adds them).
+_user_roots: set[Path] = set()
+
+
+def add_user_root(folder: Path) -> None:
+    _user_roots.add(folder.resolve())
+
+
+def from_user_code(e: BaseException) -> bool:
+    """Whether the exception (or one it wraps) was raised through a frame of the user's
+    code: their `forward` multiplying the wrong shapes fails inside torch, below their
+    frame, and is theirs all the same."""
+    if not _user_roots:
+        return False
+    for x in chain(e):
+        tb = x.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename
+            if not name.startswith("<") and _under_user_root(Path(name)):
+                return True
+            tb = tb.tb_next
+    return False
+
+
+def _under_user_root(path: Path) -> bool:
+    try:
+        p = path.resolve()
+    except OSError:
+        return False
+    return any(p.is_relative_to(root) for root in _user_roots)
 
 
 def is_oom(e: BaseException) -> bool:
@@ -144,4 +179,6 @@ def classify(e: BaseException, run_dir: Path) -> tuple[str, int]:
         return "peer_failed", exitcodes.FAILED
     if any(isinstance(x, RuntimeError) and NO_DETERMINISTIC_KERNEL in str(x) for x in chain(e)):
         return "unsupported", exitcodes.FAILED
+    if from_user_code(e):
+        return "user_code", exitcodes.FAILED
     return "internal", exitcodes.FAILED

@@ -59,7 +59,7 @@ from torchyard.trainer.distributed import (
 )
 from torchyard.trainer.envinfo import versions
 from torchyard.trainer.events import EventSink
-from torchyard.trainer.failures import classify, describe
+from torchyard.trainer.failures import UserCodeError, classify, describe
 from torchyard.trainer.models import build_model
 from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
 from torchyard.trainer.signals import StopFlag
@@ -104,6 +104,7 @@ class Window:
     n: int = 0
     samples: int = 0
     t: float = field(default_factory=time.perf_counter)
+    paused: float = 0.0  # seconds of evaluation in it: not training (train/samples_per_s)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class Pace:
     last_step: int = 0
     last_t: float = field(default_factory=time.perf_counter)
     samples: int = 0
+    paused: float = 0.0  # seconds of evaluation since the start
+    paused_at_last: float = 0.0  # `paused` at the last progress event
 
 
 def run(spec: JobSpec, r: Run) -> int:
@@ -128,8 +131,8 @@ def run(spec: JobSpec, r: Run) -> int:
         return _fail(r, "data", str(e), pos, exitcodes.FAILED)
     except Exception as e:
         kind, code = classify(e, r.run_dir)
-        if kind == "internal":
-            traceback.print_exc(file=sys.stderr)
+        if kind == "internal" or (kind == "user_code" and not isinstance(e, UserCodeError)):
+            traceback.print_exc(file=sys.stderr)  # the user's frames are in it
         return _fail(r, kind, describe(e), pos, code)
 
 
@@ -346,7 +349,7 @@ class Trainer:
             self.log_window()
         if self.evaluated_at != self.pos.step:
             self.evaluate()
-        elapsed = time.perf_counter() - self.pace.start_t
+        elapsed = time.perf_counter() - self.pace.start_t - self.pace.paused
         if self.pace.samples:
             self.metrics["train/samples_per_s"] = self.pace.samples / max(elapsed, 1e-9)
         self.save_resume()
@@ -407,7 +410,7 @@ class Trainer:
         """train/loss, train/lr and train/samples_per_s over the window, then a new window."""
         now, w, pos = time.perf_counter(), self.window, self.pos
         if w.n and self.main:
-            loss, sps = w.loss / w.n, w.samples / max(now - w.t, 1e-9)
+            loss, sps = w.loss / w.n, w.samples / max(now - w.t - w.paused, 1e-9)
             self.metrics.update({"train/loss": loss, "train/samples_per_s": sps})
             for name, value in (
                 ("train/loss", loss),
@@ -426,7 +429,8 @@ class Trainer:
         now, p, step = time.perf_counter(), self.pace, self.pos.step
         if not self.main or (not force and now - p.last_t < PROGRESS_EVERY_S):
             return
-        sps = (step - p.last_step) * self.spec.batch_size / max(now - p.last_t, 1e-9)
+        trained_s = now - p.last_t - (p.paused - p.paused_at_last)
+        sps = (step - p.last_step) * self.spec.batch_size / max(trained_s, 1e-9)
         done = step - p.start_step
         eta = (self.total_steps - step) * (now - p.start_t) / done if done else None
         self.events.emit(
@@ -437,13 +441,23 @@ class Trainer:
             samples_per_s=sps,
             eta_s=eta,
         )
-        p.last_t, p.last_step = now, step
+        p.last_t, p.last_step, p.paused_at_last = now, step, p.paused
 
     def evaluate(self) -> None:
-        """val/loss and val/accuracy over every rank's shard; one sync at the end."""
+        """val/loss and val/accuracy over every rank's shard; one sync at the end. Its time
+        is not training time: the samples/s figures leave it out."""
         self.evaluated_at = self.pos.step
         if self.ds.val is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._evaluate()
+        finally:
+            dt = time.perf_counter() - t0
+            self.window.paused += dt
+            self.pace.paused += dt
+
+    def _evaluate(self) -> None:
         self.net.eval()
         tot = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
         with torch.no_grad(), self.autocast:

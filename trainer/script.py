@@ -68,8 +68,8 @@ def run_script(spec: JobSpec, r: Run, code_dir: Path) -> int:
         return end(r, b)
     except Exception as e:
         kind, code = classify(e, r.run_dir)
-        if kind == "internal":
-            traceback.print_exc(file=sys.stderr)
+        if kind == "internal" or (kind == "user_code" and not isinstance(e, UserCodeError)):
+            traceback.print_exc(file=sys.stderr)  # the user's frames are in it
         return fail(r, kind, describe(e), b.last_step if b else 0, code)
 
 
@@ -215,7 +215,7 @@ def run_user_script(path: Path, run_dir: Path) -> None:
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         kind, _ = classify(e, run_dir)
-        if kind == "internal":
+        if kind in ("internal", "user_code"):  # (its traceback is printed above)
             raise UserCodeError(f"{type(e).__name__}: {e}") from e
         raise
 

@@ -10,12 +10,14 @@ not retried (trainer/failures.py), since running the same code again fails the s
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from torchyard.trainer.failures import UserCodeError
+from torchyard.trainer.failures import UserCodeError, add_user_root
 
 
 def load_factory(name: str) -> Callable[..., Any]:
@@ -35,7 +37,25 @@ def load_factory(name: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserCodeError(f"{name}: module {module_name!r} has no function {attr!r}")
+    _note_root(module_name)
     return fn
+
+
+def _note_root(module_name: str) -> None:
+    """The folder of the factory's top-level package (or module), so that an exception
+    raised later through its frames is told as the user's (trainer/failures.py). Our own
+    packages and torch's are never the user's."""
+    top = module_name.partition(".")[0]
+    if top in ("torch", "torchvision", "torchyard", "numpy"):
+        return
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return
+    if spec.submodule_search_locations:  # a package: its folder
+        for folder in spec.submodule_search_locations:
+            add_user_root(Path(folder))
+    elif spec.origin and spec.origin not in ("built-in", "frozen"):
+        add_user_root(Path(spec.origin))  # a single module file
 
 
 def call_user(what: str, fn: Callable[..., Any], **kwargs: Any) -> Any:

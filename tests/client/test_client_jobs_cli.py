@@ -86,8 +86,12 @@ def test_cancel_of_an_ended_job_says_already_and_exits_0(
     assert rc == 0 and out == f"job {done} already succeeded: nothing to cancel\n" and err == ""
     with pytest.raises(errors.Conflict, match="already succeeded"):
         ty.cancel(done)
-    rc, out, _ = run("cancel", store.job())
-    assert rc == 0 and out.startswith("cancel requested") and "(now cancelled)" in out
+    queued = store.job()
+    rc, out, _ = run("cancel", queued)
+    assert (rc, out) == (0, f"job {queued} cancelled\n")
+    # Cancelled before: the same words as any other ended job, not "cancel requested".
+    rc, out, _ = run("cancel", queued)
+    assert (rc, out) == (0, f"job {queued} already cancelled: nothing to cancel\n")
 
 
 def test_429_is_quota_exceeded(
@@ -190,3 +194,15 @@ def test_the_first_plain_progress_line_has_epoch_and_step(ty: Client, store: Sto
     at = lines.index(f"{job_id[:12]} running")
     progress = lines[at + 1]
     assert "epoch 1" in progress and f"/{STEPS}" in progress, lines
+
+
+def test_init_from_job_takes_a_unique_prefix_as_every_command_does(
+    store: Store, ty: Client
+) -> None:
+    src = store.job(state="succeeded")
+    with pytest.raises(errors.InvalidSpec) as e:  # found by its prefix: it has no weights
+        ty.submit({**SPEC, "init": {"from_job": src[:8], "checkpoint": "weights"}})
+    assert f"job {src} (succeeded) has no final weights" in str(e.value)
+    other = "0" * 8 if not src.startswith("0" * 8) else "f" * 8
+    with pytest.raises(errors.NotFound, match=r"init\.from_job: no job id starts with"):
+        ty.submit({**SPEC, "init": {"from_job": other}})

@@ -109,6 +109,25 @@ def test_a_broken_login_file_is_exit_2_naming_it(
     assert rc == 0, err  # a command that needs nothing from it is not stopped by it
 
 
+def test_an_empty_token_variable_is_an_error_never_the_saved_admin_token(
+    tmp_path: Path, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "url").write_text("http://testserver\n")
+    (home / "admin-token").write_text("ty_admin\n")
+    env = {"TORCHYARD_HOME": str(home), "TORCHYARD_CONFIG": str(tmp_path / "cfg.json")}
+    for empty in ("", "  "):
+        with pytest.raises(errors.ConfigError, match="TORCHYARD_TOKEN is set but empty"):
+            resolve(env=env | {"TORCHYARD_TOKEN": empty})
+    assert resolve("http://x", "ty_flag", env=env | {"TORCHYARD_TOKEN": ""}).token == "ty_flag"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TORCHYARD_TOKEN", "")
+    rc, _, err = run("list")
+    assert rc == 2 and "unset TORCHYARD_TOKEN" in err
+
+
 def _refused(request: httpx.Request) -> httpx.Response:
     raise httpx.ConnectError("[Errno 111] Connection refused")
 

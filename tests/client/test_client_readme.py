@@ -70,3 +70,29 @@ def test_quick_start_has_the_two_commands_and_the_demo_script_is_sound() -> None
         " download ",
     ):
         assert step in text, step
+
+
+def test_the_top_level_help_names_every_subcommand_of_a_group() -> None:
+    """`torchyard --help` lists a group's actions (`sweep: create, status, …`): all of them."""
+    import argparse
+
+    from torchyard.client.cli import build_parser
+
+    parser = build_parser()
+    groups = {
+        name: sub
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, sub in action.choices.items()
+    }
+    for name in ("sweep", "token"):
+        subs = [
+            a
+            for action in groups[name]._actions
+            if isinstance(action, argparse._SubParsersAction)
+            for a in action.choices
+        ]
+        assert subs, name
+        summary = COMMANDS[name][2]
+        missing = [s for s in subs if s not in summary]
+        assert not missing, f"torchyard --help says {name}: {summary!r}, without {missing}"

@@ -136,6 +136,25 @@ def test_download_verifies_and_names_the_file(ty: Client, store: Store, tmp_path
         ty.download(jid, "999", tmp_path)
 
 
+def test_a_checkpoint_is_named_by_step_or_id_and_a_clash_is_asked_about(
+    ty: Client, store: Store
+) -> None:
+    jid = ty.submit(SPEC)["id"]
+    ids = {step: store.checkpoint(jid, step=step) for step in (20, 40)}
+    assert ty.checkpoint(jid, "40")["id"] == ids[40]  # as status and the dashboard show it
+    assert ty.checkpoint(jid, "step:20")["id"] == ids[20]
+    assert ty.checkpoint(jid, f"id:{ids[20]}")["step"] == 20
+    with pytest.raises(errors.NotFound, match=r"no checkpoint 230 .*available: step 20 \(id"):
+        ty.checkpoint(jid, 230)
+    with pytest.raises(errors.NotFound, match="has no final weights yet"):
+        ty.checkpoint(jid, "weights")
+    with pytest.raises(errors.NotFound, match="not a checkpoint: 'step:x'"):
+        ty.checkpoint(jid, "step:x")
+    store.checkpoint(jid, step=ids[20])  # a step equal to another checkpoint's id
+    with pytest.raises(errors.NotFound, match=f"say id:{ids[20]} or step:{ids[20]}"):
+        ty.checkpoint(jid, ids[20])
+
+
 def test_download_resumes_a_part_file_with_range(
     rec: tuple[Client, Recorder], store: Store, tmp_path: Path
 ) -> None:
@@ -260,3 +279,36 @@ def test_one_line_names_problems_the_message_leaves_out() -> None:
         422, {"error": {"code": "x", "message": "invalid spec: a: bad", "details": details}}
     )
     assert e.one_line() == "422 invalid spec: a: bad; b: worse"
+
+
+@pytest.mark.parametrize(
+    ("spec", "says", "never"),
+    [
+        ({"model": {"name": "mlp"}, "data": {"name": "digits"}},
+         ["torchyard.load_model(", "uint8 pixels 0..16", "[N, 1, 8, 8]"], ["code=DIR"]),
+        ({"model": {"name": "lenet"}, "data": {"name": "cifar10"}},
+         ["[N, 3, 32, 32]"], ["0..16", "code=DIR"]),
+        ({"model": {"name": "mine:build"}, "data": {"name": "imagefolder/flowers",
+                                                     "image_size": 96}, "code": {"bundle": "x"}},
+         ["code=DIR)", "--code", "[N, 3, 96, 96]"], ["0..16"]),
+        ({"entrypoint": {"script": "train.py"}, "code": {"bundle": "x"}},
+         ["model.load_state_dict(load_file("], ["torchyard.load_model(", "0..16"]),
+    ],
+)  # fmt: skip
+def test_the_download_hint_fits_the_job(
+    spec: dict, says: list[str], never: list[str], tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from torchyard.client.cmd_results import describe_download
+    from torchyard.client.sdk import Download
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(1)}, str(path))
+    dl = Download(path=path, bytes=10, sha256="0" * 64, resumed_from=0,
+                  checkpoint={"id": 3, "step": 9, "kind": "weights"})  # fmt: skip
+    assert dl.format == "safetensors"
+    text = describe_download(dl, spec)
+    assert all(s in text for s in says), text
+    assert not any(n in text for n in never), text

@@ -111,7 +111,9 @@ def test_status_list_and_cancel(run: Run, sweep_file: Path, http: TestClient, to
     assert out.splitlines()[0].split() == ["ID", "NAME", "STATE", "TRIALS", "BEST", "CREATED"]
     assert out.splitlines()[1].split()[:3] == [sweep_id[:12], "lr-search", "running"]
     rc, out, _ = run("sweep", "cancel", sweep_id[:8])
-    assert (rc, out) == (0, f"cancel requested for sweep {sweep_id} (now cancelled)\n")
+    assert (rc, out) == (0, f"sweep {sweep_id} cancelled\n")
+    rc, out, _ = run("sweep", "cancel", sweep_id)
+    assert (rc, out) == (0, f"sweep {sweep_id} already cancelled: nothing to cancel\n")
     rc, out, _ = run("sweep", "list", "--state", "running")
     assert out == "no sweeps in state running\n"
     rc, _, err = run("sweep", "status", sweep_id, "--follow", "--interval", "0")

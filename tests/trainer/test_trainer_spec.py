@@ -38,6 +38,12 @@ BAD_SPECS: list[tuple[str, dict[str, Any], list[tuple[str, str]]]] = [
     ("model missing", _with("model", ...), [("model", "required (or give 'entrypoint' and 'code')")]),
     ("optimizer missing", _with("optimizer", ...), [("optimizer", "required (or give 'entrypoint' and 'code')")]),
     ("unknown model", _with("model.name", "vgg"), [("model.name", "must be one of 'mlp', 'lenet', 'resnet18', 'torchvision/<name>' or 'module:function'")]),
+    ("a torchvision model without its prefix", _with("model.name", "resnet50"),
+     [("model.name", "must be one of 'mlp', 'lenet', 'resnet18', 'torchvision/<name>' or "
+                    "'module:function'; did you mean 'torchvision/resnet50'?")]),
+    ("a built-in's typo", _with("data.name", "mnst"),
+     [("data.name", "must be one of 'digits', 'mnist', 'fashion_mnist', 'cifar10', 'synthetic', "
+                   "'imagefolder/<dir>' or 'module:function'; did you mean 'mnist'?")]),
     ("unknown data set", _with("data.name", "imagenet"),
      [("data.name", "must be one of 'digits', 'mnist', 'fashion_mnist', 'cifar10', 'synthetic', "
                    "'imagefolder/<dir>' or 'module:function'")]),
@@ -90,6 +96,14 @@ def test_bad_spec_names_each_field(spec: dict[str, Any], expected: list[tuple[st
     assert sorted(err.value.problems) == sorted(expected)
     for field, msg in expected:
         assert f"{field}: {msg}" in str(err.value)
+
+
+def test_the_torch_free_list_of_torchvision_models_is_the_installed_ones() -> None:
+    import torchvision
+
+    from torchyard.contracts.torchvision_names import CLASSIFIERS
+
+    assert set(torchvision.models.list_models(module=torchvision.models)) == CLASSIFIERS
 
 
 def test_not_an_object() -> None:

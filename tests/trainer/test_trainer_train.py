@@ -114,6 +114,34 @@ def test_auto_precision_is_fp32_on_cpu(tmp_path: Path) -> None:
     assert code == 0 and ev.events[0]["precision"] == "fp32" and ev.events[0]["device"] == "cpu"
 
 
+def test_samples_per_s_leaves_evaluation_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow validation pass (0.5 s here) must not read as slow training: every window's
+    train/samples_per_s, and the final one, count training time only."""
+    import time
+
+    from torchyard.trainer.data import Batches
+
+    slow_val = Batches.val_batches
+
+    def val_batches(self):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        yield from slow_val(self)
+
+    monkeypatch.setattr(Batches, "val_batches", val_batches)
+    spec = make_spec(epochs=3, batch_size=32, log_every_steps=10)
+    code, ev = train_in_process(spec, tmp_path / "run")
+    assert code == exitcodes.OK
+    rates = [e["value"] for e in ev.of_type("metric") if e["name"] == "train/samples_per_s"]
+    assert len(rates) >= 6
+    # A window holding an evaluation would read <= 320 samples / 0.5 s = 640 samples/s; this
+    # MLP trains at tens of thousands of samples/s on one CPU thread.
+    assert min(rates) > 2000, rates
+    final = ev.of_type("finished")[0]["metrics"]["train/samples_per_s"]
+    assert final > 2000, final
+
+
 def test_max_steps_stops_mid_epoch_and_saves(tmp_path: Path) -> None:
     code, ev = train_in_process(make_spec(max_steps=7, epochs=5), tmp_path)
     assert code == 0 and ev.of_type("finished")[-1]["step"] == 7

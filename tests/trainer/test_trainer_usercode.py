@@ -30,6 +30,17 @@ def broken(in_shape, num_classes):
 
 def not_a_module(in_shape, num_classes):
     return "a string"
+
+class WrongShapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.lin(x.flatten(1))  # digits has 64 features, not 7
+
+def wrong_shapes(in_shape, num_classes):
+    return WrongShapes()
 """
 BUNDLE_DATA = """
 import torch
@@ -152,6 +163,8 @@ def test_imagefolder_missing_is_a_data_error(tmp_path: Path) -> None:
     ("model", "data", "says"),
     [
         ("mymodels:broken", "digits", "RuntimeError: my model is broken"),
+        # Raised inside torch, below the user's forward: the user's all the same.
+        ("mymodels:wrong_shapes", "digits", "mat1 and mat2 shapes cannot be multiplied"),
         ("mymodels:not_a_module", "digits", "returned str, not a torch.nn.Module"),
         ("mymodels:missing", "digits", "has no function 'missing'"),
         ("nosuchmodule:build", "digits", "no module 'nosuchmodule'"),
@@ -168,8 +181,11 @@ def test_user_code_errors_fail_the_job_as_user_code(
     err = _error(ev)
     assert (code, err["kind"]) == (exitcodes.FAILED, "user_code")
     assert says in err["message"]
+    err_text = capsys.readouterr().err
     if model == "mymodels:broken":  # the user's own traceback reaches the job log
-        assert 'in broken\n    raise RuntimeError("my model is broken")' in capsys.readouterr().err
+        assert 'in broken\n    raise RuntimeError("my model is broken")' in err_text
+    if model == "mymodels:wrong_shapes":
+        assert "in forward\n    return self.lin(x.flatten(1))" in err_text
 
 
 def test_warm_start_from_another_jobs_weights(tmp_path: Path) -> None:
