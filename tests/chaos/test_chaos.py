@@ -1,9 +1,12 @@
-"""The fault suite: real processes on a private PostgreSQL and Redis, two hosts (one in its
-own network namespace), jobs of both world sizes, and every kind of ordinary fault at
-seeded random moments. Then: every job succeeded, every metric the trainers wrote is
-stored once, every checkpoint row matches its file, every job's weights equal an
-uninterrupted run's bit for bit, no two attempts of a job ever ran at once, and nothing is
-left running or busy.
+"""The fault suite: real processes on a private PostgreSQL and Redis, a private object
+store (SeaweedFS) holding every file, two hosts (one in its own network namespace) that
+share no directory, jobs of both world sizes (the first one across the two hosts, killed
+on the second host mid-run and resumed there), and every kind of ordinary fault at seeded
+random moments, the object store going away among them. Then: every job succeeded, every
+metric the trainers wrote is stored once, every checkpoint on record is an object in the
+store with its recorded size and sha256, every succeeded job's weights are stored as
+recorded and equal an uninterrupted run's bit for bit, no two attempts of a job ever ran
+at once, and nothing is left running or busy.
 
 Bounded by default (part of `bash scripts/test.sh`); `-m chaos --chaos-minutes N` soaks.
 Replay a failure with `--chaos-seed S` (the seed is printed first)."""
@@ -11,11 +14,13 @@ Replay a failure with `--chaos-seed S` (the seed is printed first)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -35,8 +40,9 @@ from cluster import REMOTE, ChaosCluster
 from faults import Injector, leftover_trainers
 from invariants import check
 from netns import SecondHost
+from seaweed import Seaweed, SeaweedError, start_seaweed
 from services import PrivatePostgres, PrivateRedis, missing_tools
-from worker_cluster import ROOT, wait_for
+from worker_cluster import ROOT, checkpointed_and_running, wait_for
 
 pytestmark = pytest.mark.chaos
 
@@ -60,6 +66,12 @@ SPECS: dict[str, dict[str, Any]] = {
     "digits-2": {**_BASE, "model": {"name": "mlp", "hidden": [32]}, "data": {"name": "digits"},
                  "batch_size": 64, "epochs": 5, "seed": 3, "world_size": 2,
                  "checkpoint": {"every_steps": 10, "every_epochs": None, "keep_last": 2}},
+    # The cross-host job that is killed mid-run: long enough (~360 steps) that it is still
+    # training when its first checkpoint has gone through the object store.
+    "digits-2-long": {**_BASE, "model": {"name": "mlp", "hidden": [32]},
+                      "data": {"name": "digits"}, "batch_size": 64, "epochs": 20, "seed": 6,
+                      "world_size": 2,
+                      "checkpoint": {"every_steps": 10, "every_epochs": None, "keep_last": 2}},
     "synthetic-2": {**_BASE, "model": {"name": "mlp", "hidden": [64]},
                     "data": {"name": "synthetic", "shape": [1, 8, 8], "size": 3000, "num_classes": 10},
                     "batch_size": 50, "epochs": 4, "seed": 4, "world_size": 2,
@@ -106,13 +118,18 @@ def chaos_cluster(tmp_path: Path) -> Iterator[ChaosCluster]:
         pytest.skip(msg)
     host2 = SecondHost()
     pg = redis = c = None
+    s3: Seaweed | None = None
     try:
         host2.create()
+        try:  # its S3 endpoint on the address the second host reaches (this one too)
+            s3 = start_seaweed(tmp_path / "s3", bind=host2.root_addr)
+        except (SeaweedError, OSError) as e:
+            pytest.fail(f"SeaweedFS (weed) could not start: {e}", pytrace=False)
         pg = PrivatePostgres(listen=("127.0.0.1", host2.root_addr))
         pg.start()
         redis = PrivateRedis(bind=("127.0.0.1", host2.root_addr))
         redis.start()
-        c = ChaosCluster(tmp_path, pg, redis, host2)
+        c = ChaosCluster(tmp_path, pg, redis, host2, s3)
         c.start_services()
         yield c
     finally:
@@ -122,13 +139,20 @@ def chaos_cluster(tmp_path: Path) -> Iterator[ChaosCluster]:
             redis.stop()
         if pg is not None:
             pg.destroy()
+        if s3 is not None:
+            s3.stop()
         host2.destroy()
 
 
 def test_nothing_lost_nothing_stuck_under_faults(
-    chaos_cluster: ChaosCluster, request: pytest.FixtureRequest, tmp_path: Path
+    chaos_cluster: ChaosCluster,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     c = chaos_cluster
+    for k, v in c.s3.env().items():  # the checks read the object store with boto3's chain
+        monkeypatch.setenv(k, v)
     minutes = float(request.config.getoption("--chaos-minutes") or 0)
     seed = request.config.getoption("--chaos-seed")
     seed = random.randrange(1 << 31) if seed is None else int(seed)
@@ -151,13 +175,33 @@ def test_nothing_lost_nothing_stuck_under_faults(
     c.start_worker(REMOTE)
     c.wait_workers(2, timeout=120)
     jobs: dict[str, str] = {}  # job id -> spec key
-    cross = c.tolerant_submit(SPECS["digits-2"])
-    jobs[cross["id"]] = "digits-2"
+    cross = c.tolerant_submit(SPECS["digits-2-long"])
+    jobs[cross["id"]] = "digits-2-long"
     a = wait_for(lambda: (j := c.job(cross["id"]))["attempts"] and j["attempts"][0], 120,
                  "the cross-host job's first attempt")  # fmt: skip
     assert {w["worker_id"] for w in a["workers"]} == {"w0", REMOTE}
+    # Killed on one host mid-run: once it has a checkpoint, the second host's worker is
+    # SIGKILLed (its rank dies with it) and comes back; w1 is not up yet, so the job
+    # resumes across the same two hosts, each rank reading the checkpoint from the store.
+    wait_for(lambda: checkpointed_and_running(c, cross["id"], 10), 120,
+             "a checkpoint of the cross-host job")  # fmt: skip
+    log("cross-host job checkpointed: killing its worker on the second host")
+    c.kill(REMOTE, signal.SIGKILL)
+    c.start_worker(REMOTE)
+    c.wait_registered(REMOTE)
+    try:
+        resumed = wait_for(lambda: len(j := c.job(cross["id"])["attempts"]) > 1 and j[1], 120,
+                           "the cross-host job's second attempt")  # fmt: skip
+    except TimeoutError:
+        j = c.job(cross["id"])
+        raise AssertionError(
+            f"no second attempt: the job is {j['state']} ({j.get('error') or j.get('pending_reason')}), "
+            f"attempts {[(a['number'], a['state'], a.get('reason')) for a in j['attempts']]}"
+        ) from None
+    assert {w["worker_id"] for w in resumed["workers"]} == {"w0", REMOTE}
+    log("cross-host job resumed")
     c.start_worker("w1")
-    c.wait_workers(1, timeout=120)
+    c.wait_registered("w1")
 
     stop = threading.Event()
     injector = Injector(c, rng, long=minutes > 0, log=log)
@@ -201,7 +245,9 @@ def test_nothing_lost_nothing_stuck_under_faults(
     references = {k: f.result() for k, f in refs.items()}
     refs_pool.shutdown()
 
-    report = check(c.pg.url(), c.storage_root, final, references)
+    store = c.object_store(tmp_path / "checker-cache")
+    report = check(c.pg.url(), store, c.caches, final, references)
+    report.problems.extend(cross_host_problems(c, cross["id"], final[cross["id"]]))
     numbers = re.compile(r"[0-9a-f]{32}|\d+(\.\d+)?")
     endings = Counter(
         f"{a['state']}: {numbers.sub('#', a.get('reason') or '')[:90]}"
@@ -209,7 +255,7 @@ def test_nothing_lost_nothing_stuck_under_faults(
         for a in v["attempts"]
     )
     log("attempt endings: " + "; ".join(f"{n}x {k}" for k, n in endings.most_common(8)))
-    leftover = leftover_trainers(c.storage_root)
+    leftover = leftover_trainers(c.caches)
 
     def busy_now() -> list[str]:
         return [w["id"] for w in c.workers().values() if w["state"] == "busy"]
@@ -231,19 +277,54 @@ def test_nothing_lost_nothing_stuck_under_faults(
     (tmp_path / "chaos-report.txt").write_text(
         "\n".join([*log_lines, line, *injector.failures, *report.problems])
     )
-    keep_job_records(c.storage_root, report.problems, tmp_path / "failed-jobs")
+    keep_job_records(c, report.problems, tmp_path / "failed-jobs")
     assert injector.failures == [], "\n".join(injector.failures)
     assert set(injector.done) == set(Injector.KINDS), injector.done
     assert report.problems == [], "\n".join(report.problems)
     assert leftover == [] and busy == []
 
 
-def keep_job_records(storage: Path, problems: list[str], into: Path) -> None:
-    """The logs and events of every job a problem names, kept beside the report: the
-    storage is a tmpfs that goes with the cluster (checkpoints are left out: large)."""
+def cross_host_problems(c: ChaosCluster, job_id: str, final: dict[str, Any]) -> list[str]:
+    """The job killed on the second host resumed from a checkpoint on both hosts (each
+    rank's banner in its own log, read through the API from the store), and its weights
+    download through the API as recorded."""
+    problems = []
+    for rank in (0, 1):
+        text = log_through_api(c, job_id, rank)
+        banners = re.findall(r"===== torchyard: attempt (\d+), rank \d+/2, worker (\w+), .*? "
+                             r"(resuming from \S+|fresh start) =====", text)  # fmt: skip
+        if not any(int(n) >= 2 and how.startswith("resuming") for n, _, how in banners):
+            problems.append(f"{job_id}: rank {rank} never resumed: {banners}")
+    hosts = [{w["worker_id"] for w in a["workers"]} for a in final["attempts"]]
+    if len(hosts) < 2 or hosts[1] != {"w0", REMOTE}:
+        problems.append(f"{job_id}: its first resume was not across the two hosts: {hosts}")
+    r = c.http.get(f"/v1/jobs/{job_id}/checkpoints/latest/download", params={"kind": "weights"})
+    rows = c.tolerant_get(f"/v1/jobs/{job_id}/checkpoints")["items"]
+    want = [ck["sha256"] for ck in rows if ck["kind"] == "weights"]
+    got = hashlib.sha256(r.content).hexdigest() if r.status_code == 200 else r.status_code
+    if [got] != want:
+        problems.append(f"{job_id}: weights downloaded through the API: {got}, recorded {want}")
+    return problems
+
+
+def log_through_api(c: ChaosCluster, job_id: str, rank: int) -> str:
+    out, offset = [], 0
+    while True:
+        chunk = c.tolerant_get(f"/v1/jobs/{job_id}/logs", offset=offset, limit=1 << 20, rank=rank)
+        out.append(chunk["data"])
+        if chunk["next_offset"] >= chunk["size"] or not chunk["data"]:
+            return "".join(out)
+        offset = chunk["next_offset"]
+
+
+def keep_job_records(c: ChaosCluster, problems: list[str], into: Path) -> None:
+    """The logs and events of every job a problem names, from each host's cache, kept
+    beside the report: the caches go with the cluster (checkpoints are left out: large)."""
     from torchyard.store.paths import job_dir
 
     for job_id in sorted({p.split(":", 1)[0] for p in problems if re.match(r"[0-9a-f]{32}:", p)}):
-        src = job_dir(storage, job_id)
-        if src.is_dir():
-            shutil.copytree(src, into / job_id, ignore=shutil.ignore_patterns("checkpoints"))
+        for host, cache in zip(("host1", "host2"), c.caches, strict=True):
+            src = job_dir(cache, job_id)
+            if src.is_dir():
+                shutil.copytree(src, into / job_id / host,
+                                ignore=shutil.ignore_patterns("checkpoints"))  # fmt: skip
