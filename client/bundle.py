@@ -22,7 +22,7 @@ import pathspec
 
 from torchyard.client.errors import TorchyardError
 
-__all__ = ["IGNORE_FILE", "PackError", "bundle_id", "pack"]
+__all__ = ["IGNORE_FILE", "PackError", "Packed", "bundle_id", "pack", "pack_summary"]
 
 IGNORE_FILE = ".torchyardignore"
 _ALWAYS_SKIPPED = frozenset({".git", "__pycache__", ".venv"})
@@ -47,6 +47,37 @@ class _Entry:
     kind: str  # "dir", "file" or "symlink"
     mode: int = 0o644
     target: str = ""  # a symlink's
+
+
+@dataclass(frozen=True)
+class Packed:
+    """What a bundle holds, for the user to see before it goes up: the file count, their
+    bytes before compression, the largest few, and the top names left out."""
+
+    files: int
+    raw_bytes: int
+    largest: tuple[tuple[str, int], ...]
+    left_out: tuple[str, ...]
+
+
+def pack_summary(directory: Path, data: bytes, shown: int = 3) -> Packed:
+    """The summary of `pack(directory)` (`data`): read from the archive itself, so it says
+    what was packed, not what a second walk would find."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        sizes = [(m.name, m.size) for m in tar.getmembers() if m.isfile()]
+    packed_top = {name.split("/", 1)[0] for name, _ in sizes}
+    try:
+        with os.scandir(directory) as it:
+            tops = sorted(e.name for e in it)
+    except OSError:
+        tops = []
+    left = tuple(t for t in tops if t not in packed_top and not _empty_dir(Path(directory) / t))
+    largest = tuple(sorted(sizes, key=lambda x: -x[1])[:shown])
+    return Packed(len(sizes), sum(n for _, n in sizes), largest, left)
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
 
 def bundle_id(data: bytes) -> str:

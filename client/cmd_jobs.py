@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 
 from torchyard.client import render
+from torchyard.client.bundle import IGNORE_FILE, Packed
 from torchyard.client.cli_common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -103,7 +104,9 @@ def _positive(value: str) -> int:
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    job = client.submit(spec, code=args.code, idempotency_key=args.idempotency_key)
+    job = client.submit(
+        spec, code=args.code, idempotency_key=args.idempotency_key, on_packed=_say_packed
+    )
     if args.json:
         print_json(job)
     else:
@@ -112,6 +115,25 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     if not args.follow:
         return EXIT_OK
     return follow_job(client, job["id"], interval_s=args.interval)
+
+
+BIG_FILE = 10 << 20  # a file this large in a code bundle is worth a word
+
+
+def _say_packed(p: Packed, compressed: int, uploaded: bool) -> None:
+    """On stderr: what `--code` sent, so a stray data file or checkout does not go unseen."""
+    how = "uploaded" if uploaded else "already on the server"
+    note(
+        f"code: {p.files} files, {render.human_bytes(p.raw_bytes)} ({render.human_bytes(compressed)} packed), "
+        f"{how}" + (f"; left out: {', '.join(p.left_out)}" if p.left_out else "")
+    )
+    big = [(n, b) for n, b in p.largest if b >= BIG_FILE]
+    if big:
+        listed = ", ".join(f"{n} ({render.human_bytes(b)})" for n, b in big)
+        note(
+            f"code: large files in the bundle: {listed}; list what the job does not need in "
+            f"{IGNORE_FILE} (gitignore syntax) in the code folder"
+        )
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from urllib.parse import quote
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from torchyard.client.bundle import bundle_id, pack
+from torchyard.client.bundle import Packed, bundle_id, pack, pack_summary
 from torchyard.client.config import Connection, resolve
 from torchyard.client.errors import (
     AmbiguousId,
@@ -210,6 +210,7 @@ class Client:
         code: str | Path | None = None,
         *,
         idempotency_key: str | None = None,
+        on_packed: Callable[[Packed, int, bool], None] | None = None,
     ) -> dict:
         """POST the spec; returns the new job (or, with the same idempotency key, the old one).
 
@@ -218,7 +219,7 @@ class Client:
         named as the spec's `code.bundle` (in a copy: `spec` is left as it was)."""
         body = self._full_init(spec)
         if code is not None:
-            body["code"] = {"bundle": self.push_code(code)}
+            body["code"] = {"bundle": self.push_code(code, on_packed=on_packed)}
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._json("POST", "/v1/jobs", json=body, headers=headers)
 
@@ -629,15 +630,25 @@ class Client:
 
     # -- code bundles -----------------------------------------------------------------------
 
-    def push_code(self, directory: str | Path) -> str:
+    def push_code(
+        self,
+        directory: str | Path,
+        *,
+        on_packed: Callable[[Packed, int, bool], None] | None = None,
+    ) -> str:
         """Pack `directory` into a bundle and make sure the server has it from this user:
-        asked first, uploaded only when it is not there (404). Returns the bundle id."""
+        asked first, uploaded only when it is not there (404). Returns the bundle id.
+        `on_packed(summary, compressed bytes, uploaded)` hears what went up."""
         data = pack(Path(directory))
         bid = bundle_id(data)
         try:
             self.bundle(bid)
+            uploaded = False
         except NotFound:
             self.upload_bundle(data)
+            uploaded = True
+        if on_packed is not None:
+            on_packed(pack_summary(Path(directory), data), len(data), uploaded)
         return bid
 
     def upload_bundle(self, data: bytes) -> dict:

@@ -14,6 +14,7 @@ max_workers quota, running gangs when a job waited long enough and outranks one.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple
@@ -117,17 +118,39 @@ def _preempt(
     now: datetime,
     after_s: float,
 ) -> None:
-    """Choose and ask victims for the waiting jobs that may preempt; their reasons say so."""
-    ready = preemption.eligible(p.waiting, now, after_s)
-    if not ready or p.left is None:
+    """Choose and ask victims for the waiting jobs that may preempt; their reasons say so.
+    A job that will be able to once it has waited `after_s` hears which jobs and when."""
+    if not p.waiting or p.left is None:
         return
+    ready = preemption.eligible(p.waiting, now, after_s)
     lowest = lowest_preemptible_priority(session)
-    top = max(j.priority for j in ready)
+    top = max(j.priority for j in p.waiting)
     if lowest is None or lowest >= top:
         return
-    choice = preemption.choose(ready, p.left, running_gangs(session, top), live_kinds)
-    asked = {v.by_job_id for v in preempt(session, choice.preemptions)}
-    p.reasons.update({j: r for j, r in choice.reasons.items() if j in asked})
+    gangs = running_gangs(session, top)
+    soon = [j for j in p.waiting if j not in ready]
+    left = copy.deepcopy(p.left) if soon else p.left  # the dry run below must not reserve
+    taken: set[str] = set()
+    if ready:
+        choice = preemption.choose(ready, p.left, gangs, live_kinds)
+        asked = {v.by_job_id for v in preempt(session, choice.preemptions)}
+        p.reasons.update({j: r for j, r in choice.reasons.items() if j in asked})
+        taken = {v.victim_job_id for v in choice.preemptions}
+    if soon:
+        free = [g for g in gangs if g.job_id not in taken]
+        priority = {g.job_id: g.priority for g in free}
+        dry = preemption.choose(soon, left, free, live_kinds)
+        for job in soon:
+            victims = [
+                f"{v.victim_job_id} (priority {priority[v.victim_job_id]})"
+                for v in dry.preemptions
+                if v.by_job_id == job.id
+            ]
+            if victims:
+                at = job.created_at + timedelta(seconds=after_s)
+                p.reasons[job.id] = preemption.will_preempt(
+                    p.reasons.get(job.id), victims, at, max(0.0, (at - now).total_seconds())
+                )
 
 
 def schedule(

@@ -27,6 +27,7 @@ are not taken by backfill on the way; later passes see the preemption in flight
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import NamedTuple
 
@@ -40,6 +41,18 @@ _EPOCH = datetime.min.replace(tzinfo=UTC)
 class Choice(NamedTuple):
     preemptions: list[Preemption]
     reasons: dict[str, str]
+
+
+def will_preempt(reason: str | None, victims: list[str], at: datetime, in_s: float) -> str:
+    """The reason of a job that may preempt once it has waited TORCHYARD_PREEMPT_AFTER_S:
+    why it waits now, then which jobs it will stop (`<id> (priority N)`, the form
+    api/views.py hides from other users) and when."""
+    jobs = plural(len(victims), "job")
+    when = f"{at.astimezone(UTC):%H:%M:%S} UTC, in {math.ceil(in_s)}s"
+    return (
+        f"{reason or 'waiting for a worker'}; will preempt {jobs}: {', '.join(victims)} at "
+        f"{when} (TORCHYARD_PREEMPT_AFTER_S) unless a worker frees up first"
+    )
 
 
 def eligible(waiting: list[QueuedJob], now: datetime, after_s: float) -> list[QueuedJob]:

@@ -37,6 +37,7 @@ fi
 mkdir -p "$TORCHYARD_HOME"
 LOG="$TORCHYARD_HOME/up.log"
 echo "==> starting torchyard up on port $PORT (output in $LOG)"
+SECONDS=0  # the times below leave the install and the dashboard build out
 : >"$LOG"  # before the start, so the wait below never reads a previous run's log
 "$TY" up --port "$PORT" >"$LOG" 2>&1 &
 UP=$!
@@ -56,7 +57,7 @@ until grep -q "torchyard is up" "$LOG" 2>/dev/null; do
   fi
   sleep 0.2
 done
-echo "==> up after ${SECONDS}s: $TORCHYARD_URL (admin token in $TORCHYARD_HOME/admin-token)"
+echo "==> up in ${SECONDS}s: $TORCHYARD_URL (admin token in $TORCHYARD_HOME/admin-token)"
 
 echo "==> training examples/digits.json"
 JOB=$("$TY" submit examples/digits.json --follow)
@@ -68,4 +69,7 @@ echo "==> downloading the trained weights"
 mkdir -p "$TORCHYARD_HOME/downloads"
 "$TY" download "$JOB" -o "$TORCHYARD_HOME/downloads"
 
-echo "==> done in ${SECONDS}s (job $JOB)"
+echo "==> done in ${SECONDS}s after the start (job $JOB)"
+echo "==> torchyard is installed in .venv: put it on your PATH for the README's commands with"
+echo "      source .venv/bin/activate     (or call $PWD/.venv/bin/torchyard)"
+echo "    and start the service again with: torchyard up"

@@ -125,6 +125,14 @@ def test_pending_and_attempt_reasons_name_no_other_users_jobs_or_usage(
         f"preempting 2 jobs for 1 worker: {victim} (priority 0), {other} (priority 0) "
         "(reserving workers)",
     )
+    soon = factory.job("alice")
+    factory.set_pending(  # scheduler/preemption.py: will_preempt
+        soon,
+        f"no idle worker; will preempt 1 job: {victim} (priority 0) at 12:00:30 UTC, in 20s "
+        "(TORCHYARD_PREEMPT_AFTER_S) unless a worker frees up first",
+    )
+    said = client.get(f"/v1/jobs/{soon}", headers=alice).json()["pending_reason"]
+    assert victim not in said and "will preempt 1 job: another job (priority 0) at" in said
     preempted = factory.job("alice", state="running")
     a = factory.attempt(preempted)
     with session_scope(db_url) as s:

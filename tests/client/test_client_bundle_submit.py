@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from torchyard.client import errors
-from torchyard.client.bundle import bundle_id, pack
+from torchyard.client.bundle import bundle_id, pack, pack_summary
 from torchyard.client.cli import main
 from torchyard.client.sdk import Client
 from torchyard.store.auth import create_token
@@ -126,6 +126,25 @@ def test_cli_submit_with_code(
     spec = _stored_spec(store, job_id)
     assert spec["code"] == {"bundle": bundle_id(pack(code_dir))}
     assert spec["entrypoint"] == {"script": "train.py", "args": ["--lr", "0.1"]}
+
+
+def test_cli_submit_with_code_says_what_it_sent(
+    http: TestClient, capsys: pytest.CaptureFixture[str], coder: str, spec_file: Path,
+    code_dir: Path,
+) -> None:  # fmt: skip
+    (code_dir / ".git").mkdir()
+    (code_dir / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (code_dir / "weights.bin").write_bytes(b"\0" * (11 << 20))  # 11 MiB, compresses to ~11 KB
+    rc, _, err = _cli(http, capsys, coder, "submit", str(spec_file), "--code", str(code_dir))
+    assert rc == 0, err
+    packed = pack_summary(code_dir, pack(code_dir))
+    lines = [line for line in err.splitlines() if line.startswith("code: ")]
+    assert len(lines) == 2, err
+    assert lines[0].startswith(f"code: {packed.files} files, 11.0 MiB")
+    assert "uploaded" in lines[0] and "left out: .git" in lines[0]
+    assert "weights.bin (11.0 MiB)" in lines[1] and ".torchyardignore" in lines[1]
+    rc, _, err = _cli(http, capsys, coder, "submit", str(spec_file), "--code", str(code_dir))
+    assert rc == 0 and "already on the server" in err
 
 
 def test_cli_submit_code_errors_are_one_line(

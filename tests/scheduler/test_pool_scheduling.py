@@ -4,6 +4,7 @@ and preemption, in-process against SQLite and PostgreSQL (no broker, no trainer)
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime, timedelta
 
 import pytest
@@ -140,8 +141,11 @@ def test_preemption_stops_the_newest_lowest_and_hands_the_workers_over(
     running(s, new_low, started_ago_s=200)
     urgent = make_job(s, owner="alice", priority=5, age_s=10)
     s.commit()
-    assert run_pass(s) == []  # not waited preempt_after_s yet
-    assert "preempt" not in reason(s, urgent)
+    assert run_pass(s) == []  # not waited preempt_after_s yet: it says whom, and when
+    said = reason(s, urgent)
+    assert f"; will preempt 1 job: {new_low.id} (priority -1) at " in said, said
+    assert re.search(r" UTC, in (19|20)s \(TORCHYARD_PREEMPT_AFTER_S\)", said), said
+    assert s.scalars(select(Attempt.preempted_by).where(Attempt.job_id == new_low.id)).one() is None
     assert run_pass(s, preempt_after_s=5) == []
     assert reason(s, urgent).startswith(f"preempting 1 job for 1 worker: {new_low.id}")
     victim = s.scalars(select(Attempt).where(Attempt.job_id == new_low.id)).one()

@@ -4,7 +4,9 @@ on PostgreSQL."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,12 +20,15 @@ from dashboard_lib import login, start_api, token_for
 from seed import SPEC, finished_job, long_curve_job, loss_curve, many_jobs, user_id
 from worker_cluster import ROOT, Cluster
 
+from torchyard.store.jobs import create_job
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import LOG_FILE, job_dir
 
 pytestmark = pytest.mark.browser
 
 N = 1_000_000
+PALETTE_RUNS = 13
+QUEUE_REASON = "quota: alice uses 4 of her max_workers 4"
 SPIKE_AT = 700_001
 XSS = "<img src=x onerror=window.__xss=1><script>window.__xss=2</script>"
 
@@ -59,9 +64,34 @@ def _seed(w: World) -> None:
         jid = finished_job(s, alice, "x" + XSS, xss_spec)
         ingest_metrics(s, jid, [{"name": f"train/{XSS}", "step": k, "value": 1.0 / (k + 1), "time": 0.0} for k in range(20)])  # fmt: skip
         w.jobs["xss"] = jid
+    _seed_rough_edges(w)
     log = job_dir(w.c.storage, w.jobs["xss"]) / LOG_FILE
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(f"epoch 1\n{XSS}\nlast line\n")
+
+
+def _seed_rough_edges(w: World) -> None:
+    """What issue 27's tests look at: a run of five steps with values next to 1; runs to
+    compare that differ in a code bundle (a sha256) and in lr values like 0.30000000000000004;
+    queued jobs, with and without the scheduler's reason."""
+    with w.c.session() as s:
+        alice = user_id(s, "alice")
+        jid = finished_job(s, alice, "few-steps")
+        acc, loss = [0.9999, 0.99994, 0.99997, 0.99999, 1.0], [0.62, 0.55, 0.5, 0.47, 0.45]
+        ingest_metrics(s, jid, [{"name": "val/accuracy", "step": k, "value": v, "time": 0.0} for k, v in enumerate(acc)])  # fmt: skip
+        ingest_metrics(s, jid, [{"name": "train/loss", "step": k, "value": v, "time": 0.0} for k, v in enumerate(loss)])  # fmt: skip
+        w.jobs["few"] = jid
+        for i in range(PALETTE_RUNS):
+            spec = {**SPEC, "optimizer": {"name": "sgd", "lr": (i + 1) * 0.1},
+                    "code": {"bundle": hashlib.sha256(b"bundle %d" % i).hexdigest()}}  # fmt: skip
+            name = f"pal-{i}" + ("-" + "a-very-long-run-name" * 8 if i == 0 else "")
+            jid = finished_job(s, alice, name, spec)
+            ingest_metrics(s, jid, [{"name": "val/accuracy", "step": k, "value": 0.5 + 0.03 * i + k / 1000, "time": 0.0} for k in range(0, 30, 10)])  # fmt: skip
+            w.jobs[f"pal-{i}"] = jid
+        for name, reason in [("queued-why", QUEUE_REASON), ("queued-new", None)]:
+            job, _ = create_job(s, alice, {**SPEC, "name": name}, name=name)
+            job.pending_reason = reason
+            w.jobs[name] = job.id
 
 
 @pytest.fixture(
@@ -162,6 +192,7 @@ def test_table_updates_live_and_filters(
     page = new_page()
     login(page, world.base, world.alice)
     page.wait_for_selector("#live:text('live')")
+    page.wait_for_selector("#jobs-table tbody tr")  # the picture shows rows
     shot(page, "jobs")
     page.evaluate("() => { window.__same_page = 1 }")
     alice = world.as_user(world.alice)
@@ -302,10 +333,10 @@ def test_submit_shows_the_servers_problems_field_by_field(
     assert sorted(found) == [["batch_size", "8"], ["model.hidden.0", "2"], ["optimizer.lr", "7"]]
     bad_lines = page.eval_on_selector_all(".gutter .ln.bad", "els => els.map(e => e.textContent)")
     assert sorted(bad_lines) == ["2", "7", "8"]
-    notes = page.eval_on_selector_all(
-        ".note", "els => els.map(e => [e.dataset.line, e.textContent])"
+    tips = page.eval_on_selector_all(
+        ".gutter .ln.bad", "els => els.map(e => [e.textContent, e.title])"
     )
-    assert ["7", "optimizer.lr: must be > 0.0"] in notes
+    assert ["7", "optimizer.lr: must be > 0.0"] in tips
     shot(page, "submit")
     page.fill("#spec-text", '{"name": "from-the-page", "model": {"name": "mlp"}, "data": {"name": "digits"}, "optimizer": {"name": "sgd", "lr": 0.1}}')  # fmt: skip
     page.click("#submit")
@@ -373,3 +404,180 @@ def test_ten_thousand_jobs(world: World, new_page: Callable[[], Any]) -> None:
     page.fill("#job-filter", "bulk-4242")
     page.wait_for_function("() => document.querySelectorAll('#jobs-table tbody tr').length === 1")
     assert first_table_s < 5, first_table_s
+
+
+# ---- issue 27: the dashboard's rough edges ------------------------------------------------
+
+_AXES = """(group) => {
+    const u = document.querySelector(`.chart[data-group="${group}"]`).__chart.u;
+    const [x, y] = u.axes;
+    return {distr: u.scales.y.distr, xSplits: x._splits, xLabels: x._values, ySplits: y._splits,
+            yLabels: y._values};
+}"""
+_AXES_READY = """(group) => {
+    const c = document.querySelector(`.chart[data-group="${group}"][data-ready="1"]`);
+    const u = c && c.__chart.u;
+    return !!(u && u.axes[1]._values && u.axes[0]._values);
+}"""
+
+
+def _number(label: str) -> float:
+    return float(label.replace(",", "").replace("\u2212", "-"))
+
+
+def _open_chart(page: Any, base: str, token: str, job: str, group: str) -> None:
+    login(page, base, token, "/jobs/" + job)
+    page.wait_for_function(_AXES_READY, arg=group)
+
+
+def test_chart_steps_are_whole_and_tick_labels_differ(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
+    page = new_page()
+    _open_chart(page, world.base, world.alice, world.jobs["few"], "accuracy")
+    acc = page.evaluate(_AXES, "accuracy")
+    # Five steps: the x ticks are steps (whole numbers), never 0.5, 1.5, …
+    assert acc["xSplits"] and all(float(v).is_integer() for v in acc["xSplits"]), acc
+    assert all(_number(v).is_integer() for v in acc["xLabels"] if v), acc
+    # Values between 0.9999 and 1: as many decimals as tell the ticks apart.
+    ys = [v for v in acc["yLabels"] if v]
+    assert len(ys) >= 3 and len(set(ys)) == len(ys), acc
+    for split, label in zip(acc["ySplits"], acc["yLabels"], strict=True):
+        assert _number(label) == pytest.approx(split, abs=1e-9), acc
+    shot(page, "few-steps")
+
+
+def test_log_scale_axis_has_numbers_at_its_ticks(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
+    page = new_page()
+    _open_chart(page, world.base, world.alice, world.jobs["few"], "loss")
+    page.check(".chart[data-group='loss'] input[type=checkbox]")
+    page.wait_for_function(
+        "() => document.querySelector('.chart[data-group=\"loss\"]').__chart.u.scales.y.distr === 3"
+    )
+    page.wait_for_function(_AXES_READY, arg="loss")
+    log = page.evaluate(_AXES, "loss")
+    # Numbers (not only at whole decades, and no dashes), none repeated.
+    shown = [v for v in log["yLabels"] if v]
+    assert all(re.fullmatch(r"[0-9.,e-]+", v) for v in shown), log
+    assert len(shown) >= 3 and len(set(shown)) == len(shown), log
+    for split, label in zip(log["ySplits"], log["yLabels"], strict=True):
+        assert not label or _number(label) == pytest.approx(split), log
+    shot(page, "few-steps-log")
+
+
+def _compare_many(world: World, new_page: Callable[[], Any]) -> Any:
+    ids = [world.jobs[f"pal-{i}"] for i in range(PALETTE_RUNS)]
+    page = new_page()
+    login(page, world.base, world.alice, "/compare?jobs=" + ",".join(ids))
+    page.wait_for_selector("#compare-chart[data-ready='1']")
+    return page
+
+
+def test_compare_legend_names_runs_by_short_differences(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
+    page = _compare_many(world, new_page)
+    items = page.eval_on_selector_all(
+        "#compare-chart .legend-item",
+        """els => els.map(e => {
+            const l = e.querySelector('.legend-label');
+            return {text: l.textContent, title: e.title, height: l.getBoundingClientRect().height,
+                    lineHeight: parseFloat(getComputedStyle(l).lineHeight) || 16,
+                    cut: l.scrollWidth > l.clientWidth};
+        })""",
+    )
+    assert len(items) == PALETTE_RUNS
+    shas = [hashlib.sha256(b"bundle %d" % i).hexdigest() for i in range(PALETTE_RUNS)]
+    for i, item in enumerate(items):
+        # Only what differs, short: the bundle's first 8 characters, lr to 4 digits at most.
+        assert not re.search(r"[0-9a-f]{9,}", item["text"]), item
+        assert f"code.bundle={shas[i][:8]}" in item["text"], item
+        assert not re.search(r"\d\.\d{5,}", item["text"]), item
+        assert "batch_size" not in item["text"] and "data.name" not in item["text"], item
+        assert shas[i] in item["title"], item  # the whole of it in the tooltip
+        assert item["height"] <= 1.5 * item["lineHeight"], item  # one line, never three
+    assert items[2]["text"].endswith("optimizer.lr=0.3"), items[2]
+    assert "0.30000000000000004" in items[2]["title"]
+    assert items[0]["cut"] and "a-very-long-run-name" * 8 in items[0]["title"]
+    assert not re.search(r"[0-9a-f]{9,}", page.inner_text("#runs tbody"))
+    shot(page, "compare-many")
+
+
+def test_compare_colours_do_not_repeat_for_twelve_runs(
+    world: World, new_page: Callable[[], Any]
+) -> None:
+    page = _compare_many(world, new_page)
+    styles = page.evaluate(
+        """() => { const c = document.querySelector('#compare-chart').__chart;
+            return c.sources.map((s, i) => [c.u.series[1 + 3 * i].stroke(c.u, 1 + 3 * i),
+                                            JSON.stringify(c.u.series[1 + 3 * i].dash || null)]); }"""
+    )
+    # Twelve colours before any repeats; the thirteenth curve is told apart by its dash.
+    assert len({c for c, _ in styles[:12]}) == 12, styles
+    assert len(set(map(tuple, styles))) == PALETTE_RUNS, styles
+    swatches = page.eval_on_selector_all(
+        "#compare-chart .legend-item .swatch", "els => els.map(e => e.style.background)"
+    )
+    assert len(set(swatches)) == PALETTE_RUNS, swatches  # the legend shows the dash too
+
+
+def test_queued_job_says_why_it_waits(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
+    page = new_page()
+    login(page, world.base, world.alice, "/?q=queued-")
+    page.wait_for_function("() => document.querySelectorAll('#jobs-table tbody tr').length === 2")
+    why = f"#jobs-table tr[data-id='{world.jobs['queued-why']}']"
+    assert QUEUE_REASON in page.inner_text(f"{why} td:nth-child(4)")  # progress: the reason
+    shot(page, "queued-table")
+    page.goto(world.base + "/jobs/" + world.jobs["queued-why"])
+    page.wait_for_selector("#pending")
+    assert page.inner_text("#pending") == QUEUE_REASON
+    info = page.eval_on_selector_all(".info dd", "els => els.map(e => e.textContent)")
+    assert "waiting" not in info, info  # the reason, not a bare "waiting"
+    shot(page, "queued-job")
+    page.goto(world.base + "/jobs/" + world.jobs["queued-new"])  # no reason given yet
+    page.wait_for_selector("#pending-none")
+    assert "scheduler" in page.inner_text("#pending-none")
+    info = page.eval_on_selector_all(".info dd", "els => els.map(e => e.textContent)")
+    assert "waiting" not in info, info
+
+
+def test_world_size_is_explained(world: World, new_page: Callable[[], Any]) -> None:
+    page = new_page()
+    login(page, world.base, world.alice, "/?q=cmp-")
+    page.wait_for_function("() => document.querySelectorAll('#jobs-table tbody tr').length === 3")
+    cell = f"#jobs-table tr[data-id='{world.jobs['cmp-0']}'] td:nth-child(7)"
+    assert page.inner_text(cell) == "1 worker"  # not "\u00d71"
+    title = page.eval_on_selector(cell, "td => td.querySelector('[title]')?.title || td.title")
+    assert "world_size 1" in title and "rank" in title, title
+    assert "\u00d7" not in page.inner_text("#jobs-table tbody")
+    page.goto(world.base + "/jobs/" + world.jobs["cmp-0"])
+    page.wait_for_selector(".info dd span.workers")
+    assert page.inner_text(".info dd span.workers") == "1 worker"
+    assert "rank" in page.get_attribute(".info dd span.workers", "title")
+
+
+def test_submit_lists_each_problem_once(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
+    page = new_page()
+    login(page, world.base, world.alice, "/submit")
+    page.wait_for_selector("#spec-text")
+    page.fill("#spec-text", "name: a\nname: b\n")  # not even YAML's rules
+    page.click("#submit")
+    page.wait_for_selector("#problems li")
+    found = page.eval_on_selector_all(
+        "#problems li",
+        "els => els.map(e => [e.dataset.line, e.querySelector('.message').textContent])",
+    )
+    assert found == [["2", "Map keys must be unique"]]  # no position left dangling after it
+    assert page.inner_text("main").count("Map keys must be unique") == 1
+    shot(page, "submit-yaml-error")
+    page.fill("#spec-text", "name: bad\noptimizer:\n  name: sgd\n  lr: -1\nbatch_size: 0\n")
+    page.click("#submit")
+    page.wait_for_selector("#problems li[data-field='optimizer.lr']")
+    text = page.inner_text("main")
+    assert text.count("must be > 0.0") == 1 and text.count("must be >= 1") == 1, text

@@ -182,6 +182,10 @@ def test_checkpoint_download_and_workers(
     row = page.locator("#checkpoints tbody tr", has_text="weights")
     sha = row.locator("td.sha").inner_text().strip()
     assert len(sha) == 64
+    # Its id, as `torchyard download --checkpoint id:N` takes it, is shown beside its step.
+    listed = cluster.get(f"/v1/jobs/{job}/checkpoints")["items"]
+    weights = next(c for c in listed if c["kind"] == "weights")
+    assert row.locator("td.ckpt-id").inner_text().strip() == str(weights["id"])
     with page.expect_download() as dl:
         row.locator("a.download").click()
     saved = tmp_path / "weights.safetensors"

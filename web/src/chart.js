@@ -7,11 +7,82 @@ import "uplot/dist/uPlot.min.css";
 import { api, jobPath, query } from "./api.js";
 import { fmtNum, h, replace, throttle } from "./dom.js";
 
-const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#db2777", "#65a30d", "#4f46e5", "#b45309"];
+// Twelve colours told apart on white; past twelve curves they come again dashed, then
+// dotted, then dash-dotted (48 distinct curves before any repeats).
+export const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2",
+  "#db2777", "#854d0e", "#65a30d", "#475569", "#ca8a04", "#1e1b4b"];
+const DASHES = [null, [8, 4], [2, 3], [10, 3, 2, 3]];
 const HEIGHT = 260;
 const MAX_POINTS = 4000;
+const STEP_INCRS = [1, 2, 5].flatMap((m) => Array.from({ length: 16 }, (_, e) => m * 10 ** e)).sort((a, b) => a - b);
+const LOG_LABEL_GAP = 18; // px between labels on a log axis (12px text)
 
 export function color(i) { return PALETTE[i % PALETTE.length]; }
+export function dash(i) { return DASHES[Math.floor(i / PALETTE.length) % DASHES.length]; }
+
+// A curve's sample for a legend: its colour, dashed as its line is.
+export function swatch(colour, pattern) {
+  const el = h("span", { class: "swatch" });
+  el.style.background = pattern
+    ? `repeating-linear-gradient(90deg, ${colour} 0 ${pattern[0] / 2}px, transparent ${pattern[0] / 2}px ${(pattern[0] + pattern[1]) / 2}px)`
+    : colour;
+  return el;
+}
+
+// Labels of a linear axis's ticks (`splits`, `incr` apart): as few decimals as show every
+// tick exactly, so neighbours never read the same (0.9998, 0.9999, 1.0000, not 1, 1, 0.9999);
+// in exponent form when they are all ≥ 1e6 or < 1e-3 (`exp`).
+export function tickLabels(splits, incr, { exp = true } = {}) {
+  const vals = splits.filter((v) => v != null && Number.isFinite(v));
+  const mag = vals.reduce((m, v) => Math.max(m, Math.abs(v)), 0);
+  const tol = incr > 0 ? incr * 1e-6 : mag * 1e-12;
+  const exact = (fmt) => vals.every((v) => Math.abs(Number(fmt(v)) - v) <= tol);
+  const show = (fmt) => splits.map((v) => (v == null || !Number.isFinite(v) ? "" : fmt(v)));
+  if (exp && mag > 0 && (mag >= 1e6 || mag < 1e-3)) {
+    let p = 0;
+    while (p < 15 && !exact((v) => v.toExponential(p))) p++;
+    return show((v) => v.toExponential(p).replace("e+", "e"));
+  }
+  let d = 0;
+  while (d < 15 && !exact((v) => v.toFixed(d))) d++;
+  const f = new Intl.NumberFormat(undefined, { minimumFractionDigits: d, maximumFractionDigits: d });
+  return show((v) => f.format(Object.is(v, -0) ? 0 : v));
+}
+
+// A log axis's tick (1, 2, … 9 times a power of ten) as a short number.
+export function logTickLabel(v) {
+  if (v == null || !Number.isFinite(v)) return "";
+  const a = Math.abs(v);
+  if (a >= 1e6 || (a > 0 && a < 1e-3)) return String(Number(v.toPrecision(6)).toExponential()).replace("e+", "e");
+  return String(Number(v.toPrecision(6)));
+}
+
+// Which of a log axis's ticks get a number: powers of ten first, then 5s, 2s and the rest,
+// each where it keeps LOG_LABEL_GAP from those already labelled (uPlot's own choice
+// labels whole decades only, which leaves a narrow range without any number).
+function logLabelled(u, splits, axisIdx) {
+  const scale = u.axes[axisIdx].scale;
+  const pos = splits.map((v) => u.valToPos(v, scale));
+  const rank = (v) => ({ 1: 0, 5: 1, 2: 2 })[v.toExponential()[v < 0 ? 1 : 0]] ?? 3;
+  const order = splits.map((v, i) => i).sort((a, b) => rank(splits[a]) - rank(splits[b]) || a - b);
+  const kept = [];
+  for (const i of order) if (kept.every((k) => Math.abs(pos[k] - pos[i]) >= LOG_LABEL_GAP)) kept.push(i);
+  const keep = new Set(kept);
+  return splits.map((v, i) => (keep.has(i) ? v : null));
+}
+
+// The width a y axis needs for its labels (12px system-ui digits are about 7px wide).
+function axisSize(u, values) {
+  const longest = (values || []).reduce((n, v) => Math.max(n, String(v ?? "").length), 0);
+  return Math.max(40, 19 + Math.ceil(longest * 7));
+}
+
+// The room between x ticks: the widest step label ("1,000,000") and a gap.
+function stepSpace(u, axisIdx, min, max) {
+  const widest = Math.max(Math.abs(min || 0), Math.abs(max || 0));
+  const chars = Math.round(widest).toLocaleString().length;
+  return Math.max(40, chars * 7 + 24);
+}
 
 function rgba(hex, a) {
   const n = parseInt(hex.slice(1), 16);
@@ -27,7 +98,8 @@ function normalize(s) {
 }
 
 export class MetricChart {
-  // sources: [{job, name, label, color}]; one curve (with its band) each.
+  // sources: [{job, name, label, color, dash?, title?}]; one curve (with its band) each;
+  // `title`: the full label, where `label` is a short one.
   constructor(el, { title, sources }) {
     this.el = el;
     this.sources = sources;
@@ -52,11 +124,8 @@ export class MetricChart {
         this.stepEl),
       this.plotEl, this.legendEl);
     this.legendValues = sources.map((s) => h("span", { class: "legend-value" }));
-    replace(this.legendEl, sources.map((s, i) => {
-      const swatch = h("span", { class: "swatch" });
-      swatch.style.background = s.color;
-      return h("span", { class: "legend-item" }, swatch, h("span", { class: "legend-label" }, s.label), this.legendValues[i]);
-    }));
+    replace(this.legendEl, sources.map((s, i) => h("span", { class: "legend-item", title: s.title || s.label },
+      swatch(s.color, s.dash), h("span", { class: "legend-label" }, s.label), this.legendValues[i])));
     this.redraw = throttle(() => this.draw(), 250);
     this.reloadSoon = throttle(() => this.load().catch(() => {}), 3000);
     this.resizer = new ResizeObserver(() => this.u && this.u.setSize({ width: this.width(), height: HEIGHT }));
@@ -154,7 +223,7 @@ export class MetricChart {
     const bands = [];
     this.sources.forEach((s, i) => {
       const base = 1 + 3 * i;
-      series.push({ label: s.label, stroke: s.color, width: 1.5, spanGaps: true });
+      series.push({ label: s.label, stroke: s.color, width: 1.5, spanGaps: true, ...(s.dash ? { dash: s.dash } : {}) });
       for (const edge of ["min", "max"]) {
         series.push({ label: `${s.label} ${edge}`, stroke: rgba(s.color, 0.45), width: 1, spanGaps: true, points: { show: false } });
       }
@@ -166,8 +235,14 @@ export class MetricChart {
       series,
       bands,
       legend: { show: false },
-      scales: { x: { time: false }, y: { distr: this.log ? 3 : 1 } },
-      axes: [{}, { size: 64, values: (u, vals) => vals.map(fmtNum) }],
+      scales: { x: { time: false }, y: this.log ? { distr: 3, log: 10 } : { distr: 1 } },
+      axes: [
+        // Steps are whole numbers: so are the x ticks.
+        { incrs: STEP_INCRS, space: stepSpace, values: (u, splits, i, space, incr) => tickLabels(splits, incr, { exp: false }) },
+        this.log
+          ? { size: axisSize, filter: logLabelled, values: (u, splits) => splits.map(logTickLabel) }
+          : { size: axisSize, values: (u, splits, i, space, incr) => tickLabels(splits, incr) },
+      ],
       cursor: {
         drag: { x: true, y: false, setScale: false },
         bind: { dblclick: () => () => { this.reset(); return null; } },

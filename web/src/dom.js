@@ -75,14 +75,33 @@ export function stateBadge(state) {
   return h("span", { class: `state state-${String(state).replace(/[^a-z_]/g, "")}` }, state);
 }
 
-export function progressCell(p, state) {
-  if (!p || p.step == null) return h("span", { class: "muted" }, state === JOB.QUEUED ? "waiting" : "–");
+// Why a queued job waits, as the scheduler last said (`reason`), or that it has not yet.
+export function pendingText(reason) {
+  return reason || "not looked at by the scheduler yet";
+}
+
+// A job's progress; a queued one's is why it waits (`pendingReason`).
+export function progressCell(p, state, pendingReason) {
+  if (!p || p.step == null) {
+    if (state !== JOB.QUEUED) return h("span", { class: "muted" }, "–");
+    const why = pendingText(pendingReason);
+    return h("span", { class: "muted small pending-cell", title: `waiting: ${why}` }, `waiting: ${why}`);
+  }
   const frac = p.total_steps ? Math.min(1, p.step / p.total_steps) : null;
   const bar = h("div", { class: "bar" }, h("div", { class: "fill" }));
   if (frac != null) bar.firstChild.style.width = `${(frac * 100).toFixed(1)}%`;
   const eta = p.eta_s != null && state === JOB.RUNNING ? ` · ETA ${fmtDuration(p.eta_s)}` : "";
   const text = p.total_steps ? `${p.step}/${p.total_steps}${eta}` : `step ${p.step}${eta}`;
   return h("div", { class: "progress" }, bar, h("span", { class: "small" }, text));
+}
+
+// A job's world size: how many workers it runs on, one rank (process) on each, and each
+// worker one GPU or the CPU. `ids`: the workers running it now, by rank.
+export function workersCell(n, ids = []) {
+  const count = `${n} worker${n === 1 ? "" : "s"}`;
+  const title = `world_size ${n}: the job runs on ${count}, one rank (process) on each, each worker one GPU or CPU`
+    + (ids.length ? `; now ${ids.map((w, r) => `rank ${r} on ${w}`).join(", ")}` : "");
+  return h("span", { class: "workers", title }, ids.length ? ids.join(", ") : count);
 }
 
 // Call fn at most once per `ms`, and once more after a burst (the latest state wins).

@@ -3,7 +3,7 @@
 // differ. Live while any run is: the jobs stream names the runs that changed, and the
 // page re-reads those rows and the chart (at most every 2 s).
 import { api, jobPath, query, stream } from "../api.js";
-import { MetricChart, color } from "../chart.js";
+import { MetricChart, color, dash, swatch } from "../chart.js";
 import { fmtNum, h, link, replace, stateBadge, throttle } from "../dom.js";
 import { JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 
@@ -18,11 +18,45 @@ function flatten(obj, prefix = "", out = {}) {
   return out;
 }
 
-// For each run, "key=value" of the parameters whose values are not the same in every run.
+const MAX_VALUE_CHARS = 24;
+
+function parse(json) {
+  try { return JSON.parse(json); } catch { return json; }
+}
+
+// One parameter's value, short: a non-integer rounded to `digits` significant digits, a
+// sha256 (a code bundle) to its first 8 characters, anything long cut with "…".
+export function shortValue(json, digits = 4) {
+  const short = (v) => {
+    if (typeof v === "number") return Number.isInteger(v) || !Number.isFinite(v) ? v : Number(v.toPrecision(digits));
+    if (typeof v === "string") return /^[0-9a-f]{64}$/.test(v) ? v.slice(0, 8) : v;
+    if (Array.isArray(v)) return v.map(short);
+    if (v && typeof v === "object") return Object.fromEntries(Object.entries(v).map(([k, x]) => [k, short(x)]));
+    return v;
+  };
+  if (json == null) return "–";
+  const v = short(parse(json));
+  const text = typeof v === "string" ? v : JSON.stringify(v);
+  return text.length > MAX_VALUE_CHARS ? text.slice(0, MAX_VALUE_CHARS - 1) + "…" : text;
+}
+
+// For each run, the parameters whose values are not the same in every run: `short`, as
+// "key=value" with short values (numbers to 4 significant digits, or as many as keep
+// the runs' values apart), and `full`, with the values as they are.
 export function differences(params) {
   const keys = new Set(params.flatMap((p) => Object.keys(p)));
   const differing = [...keys].filter((k) => new Set(params.map((p) => p[k] ?? "∅")).size > 1).sort();
-  return params.map((p) => differing.map((k) => `${k}=${p[k] ?? "–"}`));
+  const shown = new Map(differing.map((k) => {
+    const raw = params.map((p) => p[k]);
+    const distinct = new Set(raw.map((v) => v ?? "∅")).size;
+    let digits = 4;
+    while (digits < 17 && new Set(raw.map((v) => shortValue(v, digits))).size < distinct) digits++;
+    return [k, raw.map((v) => shortValue(v, digits))];
+  }));
+  return params.map((p, i) => ({
+    short: differing.map((k) => `${k}=${shown.get(k)[i]}`),
+    full: differing.map((k) => `${k}=${p[k] ?? "–"}`),
+  }));
 }
 
 export async function comparePage(root, { search, navigate }) {
@@ -49,7 +83,10 @@ export async function comparePage(root, { search, navigate }) {
     if (!r.params) { const { name, ...rest } = r.job.spec; r.params = flatten(rest); }
   }
   const diffs = differences(runs.map((r) => r.params));
-  runs.forEach((r, i) => { r.label = diffs[i].length ? `${r.name} · ${diffs[i].join(", ")}` : r.name; });
+  runs.forEach((r, i) => {
+    r.label = diffs[i].short.length ? `${r.name} · ${diffs[i].short.join(", ")}` : r.name;
+    r.title = diffs[i].full.length ? `${r.name} · ${diffs[i].full.join(", ")}` : r.name;
+  });
   const names = [...new Set(runs.flatMap((r) => Object.keys(r.job.latest_metrics)))].sort();
   const wanted = search.get("metric");
   const metric = names.includes(wanted) ? wanted : ["val/accuracy", "val/loss", "train/loss"].find((n) => names.includes(n)) || names[0];
@@ -59,11 +96,10 @@ export async function comparePage(root, { search, navigate }) {
   } }, names.map((n) => h("option", { value: n, selected: n === metric }, n)));
   const chartEl = h("div", { class: "chart", id: "compare-chart" });
   const row = (r, i) => {
-    const swatch = h("span", { class: "swatch" });
-    swatch.style.background = color(i);
     const last = r.job.latest_metrics[metric];
-    return h("tr", { dataset: { id: r.id } }, h("td", {}, swatch), h("td", {}, link(`/jobs/${r.id}`, r.name)), h("td", {}, stateBadge(r.job.state)),
-      h("td", { class: "small mono" }, diffs[i].join(", ") || "–"), h("td", { class: "num" }, fmtNum(last && last.value)));
+    return h("tr", { dataset: { id: r.id } }, h("td", {}, swatch(color(i), dash(i))), h("td", {}, link(`/jobs/${r.id}`, r.name)), h("td", {}, stateBadge(r.job.state)),
+      h("td", { class: "small mono differs", title: diffs[i].full.join(", ") || null }, diffs[i].short.join(", ") || "–"),
+      h("td", { class: "num" }, fmtNum(last && last.value)));
   };
   const tbody = h("tbody", {}, runs.map(row));
   replace(root,
@@ -74,7 +110,7 @@ export async function comparePage(root, { search, navigate }) {
       h("thead", {}, h("tr", {}, ["", "run", "state", "differs in", metric || ""].map((t) => h("th", {}, t)))),
       tbody));
   if (!metric) { replace(chartEl, h("p", { class: "muted" }, "These runs have no metrics yet.")); return null; }
-  const chart = new MetricChart(chartEl, { title: metric, sources: runs.map((r, i) => ({ job: r.id, name: metric, label: r.label, color: color(i) })) });
+  const chart = new MetricChart(chartEl, { title: metric, sources: runs.map((r, i) => ({ job: r.id, name: metric, label: r.label, title: r.title, color: color(i), dash: dash(i) })) });
   await chart.load();
   const stop = followRuns(runs, async (ids) => {
     await Promise.all(ids.map(async (id) => {

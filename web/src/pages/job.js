@@ -2,8 +2,8 @@
 // metric group (live while it runs), the log (followed while it runs), checkpoints with
 // their download links, Cancel, and the spec. Live through the job's own event stream.
 import { api, jobPath, query, stream } from "../api.js";
-import { MetricChart, color, metricGroups } from "../chart.js";
-import { fmtBytes, fmtDuration, fmtTime, h, link, progressCell, replace, stateBadge, throttle } from "../dom.js";
+import { MetricChart, color, dash, metricGroups } from "../chart.js";
+import { fmtBytes, fmtDuration, fmtTime, h, link, pendingText, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { ATTEMPT, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 
 const LOG_TAIL = 256 * 1024;
@@ -56,14 +56,19 @@ export async function jobPage(root, { params }) {
 
   function renderInfo() {
     const p = job.progress;
+    const queued = job.state === JOB.QUEUED;
+    // A queued job's progress is why it waits (once: not "waiting" and the reason again).
+    const waiting = job.pending_reason
+      ? h("span", { id: "pending" }, job.pending_reason)
+      : queued ? h("span", { class: "muted", id: "pending-none" }, pendingText(null)) : null;
     const rows = [
       ["owner", job.owner], ["attempt", `${job.attempt} (max restarts ${job.max_restarts})`],
-      ["progress", progressCell(p, job.state)],
+      !queued || (p && p.step != null) ? ["progress", progressCell(p, job.state)] : null,
       p && p.samples_per_s ? ["speed", `${Math.round(p.samples_per_s).toLocaleString()} samples/s`] : null,
-      job.pending_reason ? ["waiting because", h("span", { id: "pending" }, job.pending_reason)] : null,
+      waiting ? ["waiting because", waiting] : null,
       job.error ? ["error", h("span", { class: "error-text", id: "job-error" }, job.error)] : null,
       ["submitted", fmtTime(job.created_at)], ["started", fmtTime(job.started_at)], ["finished", fmtTime(job.finished_at)],
-      ["workers", String(job.world_size)],
+      ["workers", workersCell(job.world_size)],
     ].filter(Boolean);
     replace(parts.info, h("dl", {}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
   }
@@ -85,7 +90,7 @@ export async function jobPage(root, { params }) {
       const chart = charts.get(group.title);
       if (chart && group.names.every((n) => chart.sources.some((s) => s.name === n))) continue;
       const el = h("div", { class: "chart", dataset: { group: group.title } });
-      const sources = group.names.map((name, i) => ({ job: id, name, label: name, color: color(i) }));
+      const sources = group.names.map((name, i) => ({ job: id, name, label: name, color: color(i), dash: dash(i) }));
       if (chart) { chart.destroy(); chart.el.replaceWith(el); } else parts.charts.append(el);
       const c = new MetricChart(el, { title: group.title, sources });
       charts.set(group.title, c);
@@ -99,9 +104,10 @@ export async function jobPage(root, { params }) {
     const items = (await api(jobPath(id) + "/checkpoints")).items;
     replace(parts.checkpoints, h("h2", {}, "Checkpoints"), items.length
       ? h("table", { id: "checkpoints" },
-        h("thead", {}, h("tr", {}, ["step", "kind", "size", "sha256", "attempt", "saved", ""].map((t) => h("th", {}, t)))),
+        h("thead", {}, h("tr", {}, ["step", "id", "kind", "size", "sha256", "attempt", "saved", ""].map((t) =>
+          h("th", t === "id" ? { title: "torchyard download JOB --checkpoint id:N (or the step: --checkpoint STEP)" } : {}, t)))),
         h("tbody", {}, items.map((c) => h("tr", {},
-          h("td", {}, c.step), h("td", {}, c.kind), h("td", {}, fmtBytes(c.bytes)),
+          h("td", {}, c.step), h("td", { class: "mono small ckpt-id" }, c.id), h("td", {}, c.kind), h("td", {}, fmtBytes(c.bytes)),
           h("td", { class: "mono small sha" }, c.sha256), h("td", {}, c.attempt), h("td", { class: "small" }, fmtTime(c.created_at)),
           h("td", {}, c.available
             ? h("a", { href: `${jobPath(id)}/checkpoints/${c.id}/download${c.kind === "weights" ? "?kind=weights" : ""}`, download: "", class: "download" }, "Download")

@@ -1,7 +1,7 @@
 // The jobs table: a server-side page of at most PAGE rows (so 10,000 jobs cost what 100
 // do), filtered by state and text, reloaded whenever the jobs stream says a job changed.
 import { api, query, serverNow, stream } from "../api.js";
-import { fmtAge, fmtNum, h, link, progressCell, replace, stateBadge, throttle } from "../dom.js";
+import { fmtAge, fmtNum, h, link, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { JOB_STATES as STATES } from "../states.gen.js";
 
 const PAGE = 100;
@@ -75,10 +75,10 @@ export function jobsPage(root, { search, session, navigate }) {
         h("td", { class: "name" }, link(`/jobs/${j.id}`, j.name), h("div", { class: "muted small mono" }, j.id.slice(0, 12))),
         admin ? h("td", {}, j.owner) : null,
         h("td", {}, stateBadge(j.state), j.attempt > 1 ? h("span", { class: "muted small" }, ` #${j.attempt}`) : null),
-        h("td", {}, progressCell(j.progress, j.state)),
+        h("td", {}, progressCell(j.progress, j.state, j.pending_reason)),
         h("td", { class: "num" }, fmtNum(j.latest["train/loss"])),
         h("td", { class: "num" }, fmtNum(j.latest["val/accuracy"])),
-        h("td", { class: "small", title: j.workers.join(", ") }, j.workers.length ? j.workers.join(", ") : `×${j.world_size}`),
+        h("td", { class: "small" }, workersCell(j.world_size, j.workers)),
         h("td", { class: "age", dataset: { t: j.created_at } }, fmtAge((serverNow() - Date.parse(j.created_at)) / 1000)));
     }));
   }

@@ -1,6 +1,7 @@
-// Submit a spec: paste or upload JSON or YAML. The server's 422 problems are shown next to
-// the line of the field each names (the spec is parsed here with positions, so a field's
-// line is known in either format), and listed field by field.
+// Submit a spec: paste or upload JSON or YAML. Each problem (the YAML's, else the server's
+// 422 ones) is listed once, under the editor, with the line it is on, which the gutter
+// marks (the spec is parsed here with positions, so a field's line is known in either
+// format); the marked line's tooltip says what is wrong there.
 import { parseDocument, isMap, isSeq } from "yaml";
 import { ApiError, api } from "../api.js";
 import { h, link, replace } from "../dom.js";
@@ -38,18 +39,23 @@ export function fieldLine(doc, text, field) {
   return 1;
 }
 
+// A YAML error's message without the position and the excerpt the yaml package appends
+// ("… at line 3, column 1:\n\n<the lines>\n^"): the list says the line itself.
+export function yamlMessage(e) {
+  return String(e.message).split("\n")[0].replace(/\s*at line \d+, column \d+\s*:?\s*$/, "").replace(/:\s*$/, "");
+}
+
 export function submitPage(root, { navigate }) {
   const area = h("textarea", { id: "spec-text", spellcheck: "false", wrap: "off", placeholder: "paste a job spec (JSON or YAML)" });
   area.value = EXAMPLE;
   const gutter = h("div", { class: "gutter" });
-  const notes = h("div", { class: "notes" });
   const problems = h("ul", { class: "problems", id: "problems" });
   const result = h("div", { id: "submit-result" });
   const file = h("input", { type: "file", accept: ".json,.yaml,.yml,application/json,text/yaml", id: "spec-file" });
   const button = h("button", { class: "primary", id: "submit" }, "Submit");
   replace(root,
     h("div", { class: "toolbar" }, h("h2", {}, "Submit a job"), file, button),
-    h("div", { class: "editor" }, gutter, area, notes),
+    h("div", { class: "editor" }, gutter, area),
     result, problems,
     h("p", { class: "muted small" }, "Jobs that run your own code need their bundle uploaded first: ", h("code", {}, "torchyard submit SPEC --code DIR"), "."));
 
@@ -60,24 +66,25 @@ export function submitPage(root, { navigate }) {
       const bad = marks.get(i + 1);
       return h("div", { class: bad ? "ln bad" : "ln", title: bad ? bad.join("\n") : null }, i + 1);
     }));
-    replace(notes, [...marks].map(([line, msgs]) => {
-      const note = h("div", { class: "note", dataset: { line } }, msgs.join(" · "));
-      note.style.top = `${(line - 1) * 20 + 6}px`;
-      return note;
-    }));
     syncScroll();
   }
   function syncScroll() {
     gutter.scrollTop = area.scrollTop;
-    notes.style.transform = `translateY(${-area.scrollTop}px)`;
   }
-  function show(list) { // [{field, message, line}]
+  // [{field (none for the YAML's own), message, line}]: each shown once (the YAML parser
+  // may report one mistake more than once).
+  function show(list) {
+    const seen = new Set();
+    list = list.filter((p) => {
+      const key = `${p.line}\0${p.field || ""}\0${p.message}`;
+      return seen.has(key) ? false : seen.add(key);
+    });
     marks = new Map();
-    for (const p of list) marks.set(p.line, [...(marks.get(p.line) || []), `${p.field}: ${p.message}`]);
+    for (const p of list) marks.set(p.line, [...(marks.get(p.line) || []), p.field ? `${p.field}: ${p.message}` : p.message]);
     renderGutter();
-    replace(problems, list.map((p) => h("li", { dataset: { field: p.field, line: p.line } },
+    replace(problems, list.map((p) => h("li", { dataset: { field: p.field || "", line: p.line } },
       h("button", { class: "link-button", onclick: () => goTo(p.line) }, `line ${p.line}`), " ",
-      h("code", { class: "field" }, p.field), " ", h("span", { class: "message" }, p.message))));
+      p.field ? [h("code", { class: "field" }, p.field), " "] : null, h("span", { class: "message" }, p.message))));
   }
   function goTo(line) {
     const starts = [0];
@@ -91,7 +98,7 @@ export function submitPage(root, { navigate }) {
     const text = area.value;
     const doc = parseDocument(text, { prettyErrors: true, uniqueKeys: true });
     if (doc.errors.length) {
-      show(doc.errors.map((e) => ({ field: "spec", message: e.message.split("\n")[0], line: e.linePos ? e.linePos[0].line : 1 })));
+      show(doc.errors.map((e) => ({ field: null, message: yamlMessage(e), line: e.linePos ? e.linePos[0].line : 1 })));
       return;
     }
     const spec = doc.toJS();
