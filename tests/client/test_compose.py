@@ -13,6 +13,8 @@ from torchyard.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHYARD_SERVICES = {"migrate", "api", "scheduler", "worker-gpu0", "worker-gpu1"}
+# The standard AWS variables the S3 client reads (torchyard's settings do not hold keys).
+AWS_VARS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"}
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +28,11 @@ def services(compose: dict) -> dict:
 
 
 def test_services(services: dict) -> None:
-    assert set(services) == {"postgres", "redis"} | TORCHYARD_SERVICES
+    assert set(services) == {"postgres", "redis", "objectstore", "bucket"} | TORCHYARD_SERVICES
 
 
 def test_store_and_broker_are_not_published_on_public_interfaces(services: dict) -> None:
-    for name in ("postgres", "redis"):
+    for name in ("postgres", "redis", "objectstore"):
         for port in services[name].get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port}"
     api_ports = services["api"]["ports"]
@@ -65,28 +67,38 @@ def test_environment_names_are_settings_fields(services: dict) -> None:
         env = services[name]["environment"]
         names = set(env)
         assert {"TORCHYARD_DATABASE_URL", "TORCHYARD_BROKER_URL"} <= names
-        assert names <= fields, f"{name}: not settings: {names - fields}"
+        assert names <= fields | AWS_VARS, f"{name}: not settings: {names - fields}"
         assert env["TORCHYARD_DATABASE_URL"].startswith("postgresql+psycopg://")
         assert env["TORCHYARD_BROKER_URL"].startswith("redis://")
 
 
 def test_no_secret_is_written_in_the_file(services: dict) -> None:
-    required_var = re.compile(r"\$\{[A-Z_]+:\?[^}]+\}")
+    required_var = re.compile(r"\$\{[A-Z][A-Z0-9_]*:\?[^}]+\}")
     for name, svc in services.items():
         for key, value in (svc.get("environment") or {}).items():
-            if "PASSWORD" in key:  # a password is a required variable from the environment
+            if "PASSWORD" in key or "SECRET" in key or "ACCESS_KEY" in key:
+                # a password or key is a required variable from the environment
                 assert required_var.fullmatch(str(value)), f"{name}: {key}"
             for creds in re.findall(r"://([^@/]*)@", str(value)):
                 _user, _, password = creds.partition(":")
                 assert required_var.fullmatch(password), f"{name}: {key} holds a password"
 
 
-def test_shared_storage_health_checks_and_ordering(services: dict, compose: dict) -> None:
-    for name in TORCHYARD_SERVICES:
-        vols = services[name]["volumes"]
-        assert "storage:/srv/torchyard/storage" in vols
-    assert "storage" in compose["volumes"]
-    for name in ("postgres", "redis", "api"):
+def test_object_storage_health_checks_and_ordering(services: dict, compose: dict) -> None:
+    # Nothing shared between the torchyard containers but the database, the broker and the
+    # object store: no storage volume, every file an object in the bucket.
+    assert "storage" not in compose["volumes"] and "objects" in compose["volumes"]
+    for name in TORCHYARD_SERVICES | {"bucket"}:
+        env = services[name]["environment"]
+        assert env["TORCHYARD_STORAGE_URL"] == "s3://torchyard/cluster"
+        assert env["TORCHYARD_S3_ENDPOINT_URL"] == "http://objectstore:8333"
+        assert not any("storage" in str(v) for v in services[name].get("volumes", []))
+    for name in TORCHYARD_SERVICES - {"migrate"}:
+        assert services[name]["depends_on"]["bucket"]["condition"] == (
+            "service_completed_successfully"
+        )
+    assert services["bucket"]["depends_on"]["objectstore"]["condition"] == "service_healthy"
+    for name in ("postgres", "redis", "objectstore", "api"):
         assert services[name]["healthcheck"]["test"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     for name in TORCHYARD_SERVICES - {"migrate"}:
