@@ -80,6 +80,16 @@ class CheckpointGone(CheckpointRefused):
     supersede."""
 
 
+UPLOAD_NICE = 10  # the upload thread's niceness: on a busy host the trainer gets the CPU
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's CPU priority (Linux nices threads one by one): hashing and
+    sending a checkpoint must not take cycles from the training step on a full host."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
+
+
 def log_key_for_rank(job_id: str, rank: int) -> str:
     """The stored log a rank's host appends to: one appender per object."""
     return job_key(job_id, rank_log_file(rank))
@@ -106,6 +116,7 @@ class CheckpointUploads:
         self._thread.start()
 
     def _run(self) -> None:
+        _yield_cpu()
         while (item := self._queue.get()) is not None:
             fn, fut = item
             if not fut.set_running_or_notify_cancel():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -211,3 +212,12 @@ def test_a_new_host_continues_the_record_and_a_stale_file_is_cut(tmp_path: Path)
     # Attempt 5 here after attempt 4 ran elsewhere: what lies past the record is stale.
     align_events(events, attempt=5, recorded=4000)
     assert events.stat().st_size == 4000
+
+
+def test_the_upload_thread_runs_at_a_lower_cpu_priority(store: Flaky, cache: Path) -> None:
+    """On a host with no spare core the trainer, not the upload, gets the CPU."""
+    seen: list[int] = []
+    up = CheckpointUploads(store, cache, JOB)
+    up._submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    up.close()
+    assert seen == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + publish.UPLOAD_NICE)]
