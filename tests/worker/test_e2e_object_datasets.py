@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_cluster import Cluster
-from worker_factories import drop_pg_databases, new_pg_database
+from worker_cluster import Cluster, s3_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.redis]
 
@@ -76,24 +75,9 @@ def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, s3_server: Any
 ) -> Iterator[tuple[Cluster, dict[str, str], Path]]:
     tmp = tmp_path_factory.mktemp("s3-datasets")
-    make = new_pg_database(request.getfixturevalue("pg_url"))
-    request.addfinalizer(lambda: drop_pg_databases(make))
-    bucket = s3_server.make_bucket()
-    env = s3_server.env() | {
-        "TORCHYARD_STORAGE_URL": f"s3://{bucket}/cluster",
-        "TORCHYARD_S3_ENDPOINT_URL": s3_server.endpoint_url,
-    }
-    c = Cluster(
-        tmp,
-        database_url=make(),
-        broker_url=request.getfixturevalue("redis_url"),
-        extra_env=env | {"TORCHYARD_DATA_ROOT": str(tmp / "api-data")},
-    )
-    c.start(workers=0)
-    try:
+    extra = {"TORCHYARD_DATA_ROOT": str(tmp / "api-data")}
+    with s3_cluster(request, tmp, s3_server, extra) as (c, env):
         yield c, env, tmp
-    finally:
-        c.stop()
 
 
 def test_a_set_imported_to_the_store_trains_on_a_host_with_an_empty_data_root(

@@ -23,10 +23,10 @@ from worker_cluster import (
     checkpointed_and_running,
     pid_alive,
     running_worker,
+    s3_cluster,
     trainer_pid,
     wait_for,
 )
-from worker_factories import drop_pg_databases, new_pg_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.redis]
 
@@ -67,31 +67,15 @@ def hosts(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, s3_server: Any
 ) -> Iterator[Hosts]:
     tmp = tmp_path_factory.mktemp("s3-cluster")
-    make = new_pg_database(request.getfixturevalue("pg_url"))
-    request.addfinalizer(lambda: drop_pg_databases(make))
-    bucket = s3_server.make_bucket()
-    env = s3_server.env() | {
-        "TORCHYARD_STORAGE_URL": f"s3://{bucket}/cluster",
-        "TORCHYARD_S3_ENDPOINT_URL": s3_server.endpoint_url,
-    }
-    c = Cluster(
-        tmp,
-        database_url=make(),
-        broker_url=request.getfixturevalue("redis_url"),
-        extra_env=env,
-    )
-    c.start(workers=0)
-    h = Hosts(c, tmp, None)
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        from torchyard.storage import storage_for
+    with s3_cluster(request, tmp, s3_server) as (c, env):
+        h = Hosts(c, tmp, None)
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            from torchyard.storage import storage_for
 
-        h.store = storage_for(c.settings())
-        try:
+            h.store = storage_for(c.settings())
             yield h
-        finally:
-            c.stop()
 
 
 def _log(c: Cluster, job_id: str) -> str:

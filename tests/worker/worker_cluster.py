@@ -358,3 +358,31 @@ BACKENDS = [
     "embedded",
     pytest.param("redis-postgres", marks=[pytest.mark.redis, pytest.mark.postgres]),
 ]
+
+
+@contextlib.contextmanager
+def s3_cluster(
+    request: Any, tmp: Path, s3_server: Any, extra_env: dict[str, str] | None = None
+) -> Iterator[tuple[Cluster, dict[str, str]]]:
+    """A cluster on a fresh PostgreSQL database, the shared Redis and a fresh bucket of the
+    session's SeaweedFS, with no worker yet (each test starts its "hosts": their own home
+    and cache). Yields it and the object-store settings every host needs."""
+    from worker_factories import drop_pg_databases, new_pg_database
+
+    make = new_pg_database(request.getfixturevalue("pg_url"))
+    request.addfinalizer(lambda: drop_pg_databases(make))
+    env = s3_server.env() | {
+        "TORCHYARD_STORAGE_URL": f"s3://{s3_server.make_bucket()}/cluster",
+        "TORCHYARD_S3_ENDPOINT_URL": s3_server.endpoint_url,
+    }
+    c = Cluster(
+        tmp,
+        database_url=make(),
+        broker_url=request.getfixturevalue("redis_url"),
+        extra_env=env | (extra_env or {}),
+    )
+    c.start(workers=0)
+    try:
+        yield c, env
+    finally:
+        c.stop()
