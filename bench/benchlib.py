@@ -3,6 +3,7 @@ throw-away PostgreSQL database and `torchyard api` started as a process on a fre
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -90,3 +91,16 @@ def start_api(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
                 server.kill()
                 raise SystemExit("the API did not start") from None
             time.sleep(0.2)
+
+
+def make_file(path: Path, size: int) -> str:
+    """`size` random bytes at `path` (written in 16 MiB blocks); their sha256."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            block = os.urandom(min(left, 16 << 20))
+            h.update(block)
+            f.write(block)
+            left -= len(block)
+    return h.hexdigest()

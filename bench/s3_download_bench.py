@@ -23,7 +23,6 @@ removed at the end.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import socket
@@ -56,19 +55,6 @@ from torchyard.store.states import RUNNING, STARTING, transition
 MIB = 1 << 20
 REL = "checkpoints/step-00000001.pt"
 BLOCK = 4 * MIB
-
-
-def make_file(path: Path, size: int) -> str:
-    """`size` random bytes at `path`; their sha256."""
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            block = os.urandom(min(left, 16 * MIB))
-            h.update(block)
-            f.write(block)
-            left -= len(block)
-    return h.hexdigest()
 
 
 def make_checkpoint(url: str, store: S3Storage, src: Path, sha: str) -> tuple[str, str, int]:
@@ -182,7 +168,7 @@ def main() -> int:
         env = api_env(server, db, home, storage_url)
         store = S3Storage(bucket, "ty", cache=work / "cache", endpoint_url=server.endpoint_url)
         src = work / "checkpoint.bin"
-        sha = make_file(src, size)
+        sha = benchlib.make_file(src, size)
         job_id, token, cid = make_checkpoint(db, store, src, sha)
         src.unlink()
         dispose_engines()

@@ -15,7 +15,6 @@ torchyard/boto3. Goal: both ratios >= 0.8. Everything is removed at the end.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import sys
@@ -29,24 +28,12 @@ for extra in (ROOT, ROOT / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
+from benchlib import make_file  # noqa: E402
 from seaweed import start_seaweed  # noqa: E402
 
 from torchyard.storage.s3 import S3Storage  # noqa: E402
 
 MIB = 1 << 20
-
-
-def make_file(path: Path, size: int) -> str:
-    """`size` random bytes at `path`; their sha256."""
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            block = os.urandom(min(left, 16 * MIB))
-            h.update(block)
-            f.write(block)
-            left -= len(block)
-    return h.hexdigest()
 
 
 def best(repeat: int, run: Callable[[], None], before: Callable[[], None]) -> float:
