@@ -73,7 +73,9 @@ def trials_done(sweep: dict) -> str:
     counts = sweep.get("counts") or {}
     done = sum(v for k, v in counts.items() if k != "running")
     parts = [
-        f"{counts[k]} {k}" for k in ("running", "complete", "pruned", "failed") if counts.get(k)
+        f"{counts[k]} {k}"
+        for k in ("running", "complete", "pruned", "failed", "cancelled")
+        if counts.get(k)
     ]
     return f"{done}/{sweep.get('max_trials')} done" + (f" ({', '.join(parts)})" if parts else "")
 

@@ -18,6 +18,7 @@ Fields no model names are kept when reading (a newer trainer) but refused when b
     progress    step, total_steps, epoch, samples_per_s, eta_s
     finished    step, epoch, metrics
     stopped     signal, step, checkpoint
+    rung        step, index, name, value (a sweep trial waits at a rung: contracts/rungs.py)
     error       kind, message, step, rank
 
 Every event may carry `time` (Unix seconds; the trainer always writes it), `attempt` (the
@@ -131,6 +132,13 @@ class Stopped(_PidEvent):
     checkpoint: str | None = None
 
 
+class RungEvent(EventBase):
+    type: Literal["rung"]
+    index: int | None = None  # the evaluation's index, from 1 (the pruner's resource)
+    name: str | None = None  # the objective
+    value: Number | None = None  # null: not finite
+
+
 class ErrorEvent(_PidEvent):
     type: Literal["error"]
     # nonfinite_loss, out_of_memory, data, storage_full, peer_failed, unsupported or
@@ -141,7 +149,14 @@ class ErrorEvent(_PidEvent):
 
 
 Event = Annotated[
-    Started | MetricEvent | CheckpointEvent | Progress | Finished | Stopped | ErrorEvent,
+    Started
+    | MetricEvent
+    | CheckpointEvent
+    | Progress
+    | Finished
+    | Stopped
+    | ErrorEvent
+    | RungEvent,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
@@ -153,6 +168,7 @@ EVENT_TYPES: dict[str, type[EventBase]] = {
     "finished": Finished,
     "stopped": Stopped,
     "error": ErrorEvent,
+    "rung": RungEvent,
 }
 
 
@@ -194,7 +210,7 @@ MAX_INT31 = 2**31 - 1  # the store's INTEGER (attempt numbers), and pids and ran
 _INT31_FIELDS = frozenset({"attempt", "pid", "rank", "world_size"})
 _INT_FIELDS = frozenset(
     {"step", "bytes", "total_steps", "steps_per_epoch", "train_samples", "val_samples",
-     "parameters"} | _INT31_FIELDS
+     "parameters", "index"} | _INT31_FIELDS
 )  # fmt: skip
 ERROR_KINDS = frozenset(
     {"nonfinite_loss", "out_of_memory", "data", "storage_full", "peer_failed", "unsupported",
@@ -283,7 +299,7 @@ def _checkpoint_problem(ev: CheckpointEvent) -> str | None:
 
 def _typed_problem(ev: EventBase, limits: EventLimits) -> str | None:
     """The rules of one event type."""
-    if isinstance(ev, MetricEvent) and ev.name is not None:
+    if isinstance(ev, MetricEvent | RungEvent) and ev.name is not None:
         if len(ev.name) > limits.metric_name_chars:
             return f"metric name of {len(ev.name)} characters (at most {limits.metric_name_chars})"
         if not ev.name or _CONTROL.search(ev.name):
@@ -301,7 +317,7 @@ def event_problem(ev: EventBase, limits: EventLimits = EventLimits()) -> str | N
     for key, v in ev.model_dump(exclude_none=True).items():
         if key in _INT_FIELDS and isinstance(v, int) and not isinstance(v, bool):
             problem = _int_problem(key, v)
-        elif key == "value" and isinstance(ev, MetricEvent):
+        elif key == "value" and isinstance(ev, MetricEvent | RungEvent):
             problem = _value_problem(key, v) if isinstance(v, int) else None  # nan: not kept
         else:
             problem = _value_problem(key, v)

@@ -26,6 +26,9 @@ counted failure; worker/outcome.py). An `error` event (kind `storage_full`) is w
 there is room for it."""
 PREEMPTED = 75
 """SIGTERM (or SIGINT) received: a checkpoint was saved, a `stopped` event written; resumable."""
+PRUNED = 76
+"""A sweep trial stopped at a rung because its worker said the pruner pruned it
+(contracts/rungs.py); a `stopped` event with signal `pruned` was written, no checkpoint."""
 
 NAMES = {
     OK: "ok",
@@ -35,4 +38,5 @@ NAMES = {
     OUT_OF_MEMORY: "out_of_memory",
     STORAGE_FULL: "storage_full",
     PREEMPTED: "preempted",
+    PRUNED: "pruned",
 }

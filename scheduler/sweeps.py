@@ -8,12 +8,13 @@ quotas and preemption treat it like any other. Per sweep, under its row lock:
 
 1. observe (one transaction): settle what a crash left (an Optuna trial still RUNNING with
    no trial row, from a controller that died between asking and storing, is told FAIL; one
-   whose row has an outcome is told that outcome again); report each running trial's new
-   points of the objective (at the metric's global step) and ask the pruner after each; a
-   pruned trial's job is cancelled through the jobs' own cancel (reason `pruned`: the
-   worker stops the trainer, which checkpoints first); a trial whose job ended gets its
-   outcome: succeeded -> complete with the last value reported, failed or cancelled (by
-   anyone but the pruner) -> failed. Optuna is told the outcomes after the commit.
+   whose row has an outcome is told that outcome again); follow each running trial's
+   objective (its newest value and step, for the trial table); a trial whose job ended gets
+   its outcome: succeeded -> complete with its final value (the objective's last point),
+   cancelled -> cancelled, failed -> failed. Optuna is told the outcomes after the commit.
+   Pruning is not decided here: a trial waits at each rung for its worker, which asks the
+   pruner as the objective arrives (store/pruning.py) and records a pruned trial itself,
+   so a trial is never pruned after it finished, nor trained past the rung it failed.
 2. launch (a second transaction): while fewer than `parallel` trial jobs are live, fewer than
    `max_trials` trials were asked for, and the owner's max_queued quota leaves room: ask
    Optuna, set the values into a copy of the base spec, and submit it as the owner through
@@ -38,10 +39,9 @@ from typing import Any
 import numpy as np
 import optuna
 from optuna import Study
-from optuna.pruners import BasePruner
 from optuna.samplers import BaseSampler, GridSampler
 from optuna.storages import RDBStorage
-from optuna.trial import FrozenTrial, Trial, TrialState
+from optuna.trial import FrozenTrial, TrialState
 from pydantic import TypeAdapter
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -52,6 +52,7 @@ from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import request_cancel
 from torchyard.store.models import Job, Sweep, SweepTrial
+from torchyard.store.pruning import make_pruner
 from torchyard.store.states import (
     CANCELLED,
     FAILED,
@@ -61,6 +62,7 @@ from torchyard.store.states import (
     IllegalTransition,
 )
 from torchyard.store.sweeps import (
+    CANCELLED_TRIAL,
     COMPLETE,
     FAIL,
     PRUNED,
@@ -102,19 +104,6 @@ def make_sampler(sweep: Sweep, space: sp.Space, number: int) -> BaseSampler:
     if sweep.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed_for(sweep.seed, number))
     return optuna.samplers.TPESampler(seed=seed_for(sweep.seed, number))
-
-
-def make_pruner(name: str) -> BasePruner:
-    """`asha`: Optuna's SuccessiveHalvingPruner with rungs at 3 %, 9 %, 27 % and 81 % of the
-    longest complete trial's steps, the best third going on at each (reduction factor 3
-    from 3 x the 'auto' min_resource of 1 %). Optuna's default (rungs from 1 %, a quarter
-    going on) decides on a trial evaluated once an epoch at its first evaluation, where
-    the final ranking shows least. `median`: Optuna's MedianPruner."""
-    if name == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(reduction_factor=3, min_early_stopping_rate=1)
-    if name == "median":
-        return optuna.pruners.MedianPruner()
-    return optuna.pruners.NopPruner()
 
 
 class _Grid(GridSampler):
@@ -184,7 +173,8 @@ class SweepController:
 
     def _tell(self, sweep_id: str, tells: list[Tell]) -> None:
         """Tell Optuna each outcome; one that fails is told by a later pass (`settle`)."""
-        states = {COMPLETE: TrialState.COMPLETE, PRUNED: TrialState.PRUNED, FAIL: TrialState.FAIL}
+        states = {COMPLETE: TrialState.COMPLETE, PRUNED: TrialState.PRUNED, FAIL: TrialState.FAIL,
+                  CANCELLED_TRIAL: TrialState.FAIL}  # fmt: skip
         study = self._studies.get(sweep_id)
         if study is None:  # its pass failed: the next pass settles them
             return
@@ -224,15 +214,12 @@ class SweepController:
         job: Job,
         frozen: FrozenTrial | None,
     ) -> Tell | None:
-        """One running trial: report its new points, prune it, or record its end."""
+        """One running trial: follow its objective, or record its end."""
         if frozen is None:  # Optuna ended it without us (by hand?): stop the job too
             end_trial(trial, FAIL, error="its Optuna trial was ended outside torchyard")
             _cancel(session, job, "sweep trial ended")
             return None
-        live = Trial(study, frozen._trial_id)
-        if report(session, sweep.metric, trial, job, live) and _cancel(session, job, "pruned"):
-            end_trial(trial, PRUNED)
-            return Tell(trial.number, PRUNED)
+        follow(session, sweep.metric, trial, job)
         if job.state in TERMINAL:
             return trial_end(trial, job, sweep.metric)
         return None
@@ -294,15 +281,12 @@ class SweepController:
         return done.job.id, None
 
 
-def report(session: Session, metric: str, trial: SweepTrial, job: Job, live: Trial) -> bool:
-    """Report the objective's new points to Optuna, asking the pruner after each; True when
-    it says stop (never for a job that has ended: its last value completes the trial)."""
-    for step, value in new_points(session, job.id, metric, trial.last_step):
-        live.report(value, step)
-        trial.last_step, trial.value = step, value
-        if job.state not in TERMINAL and live.should_prune():
-            return True
-    return False
+def follow(session: Session, metric: str, trial: SweepTrial, job: Job) -> None:
+    """The trial's newest point of the objective, shown in its table (the final one once
+    its job has ended: the value a complete trial is judged by)."""
+    points = new_points(session, job.id, metric, trial.last_step)
+    if points:
+        trial.last_step, trial.value = points[-1]
 
 
 def settle(sweep_id: str, rows: list[SweepTrial], running: dict[int, Any]) -> list[Tell]:
@@ -322,16 +306,19 @@ def settle(sweep_id: str, rows: list[SweepTrial], running: dict[int, Any]) -> li
 
 
 def trial_end(trial: SweepTrial, job: Job, metric: str) -> Tell:
-    """The outcome of a trial whose job ended: complete with the last value reported when
-    it succeeded, else failed (a cancel by a user says nothing about its values)."""
+    """The outcome of a trial whose job ended: complete with its final value when it
+    succeeded, cancelled when it was cancelled (by its owner or the sweep's cancel: it says
+    nothing about its values, so Optuna is told FAIL), else failed."""
     if job.state == SUCCEEDED:
         if trial.value is not None and math.isfinite(trial.value):
             end_trial(trial, COMPLETE, value=trial.value)
             return Tell(trial.number, COMPLETE, trial.value)
         end_trial(trial, FAIL, error=f"the job succeeded without a finite {metric}")
         return Tell(trial.number, FAIL)
-    why = job.error or ("cancelled" if job.state == CANCELLED else job.state)
-    end_trial(trial, FAIL, error=f"job {job.state}: {why}")
+    if job.state == CANCELLED:
+        end_trial(trial, CANCELLED_TRIAL, error="its job was cancelled")
+        return Tell(trial.number, CANCELLED_TRIAL)
+    end_trial(trial, FAIL, error=f"job {job.state}: {job.error or job.state}")
     return Tell(trial.number, FAIL)
 
 

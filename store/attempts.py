@@ -20,7 +20,7 @@ from torchyard.storage.keys import UnsafePath, job_key
 from torchyard.store.dialect import is_postgres
 from torchyard.store.jobs import bump_version_of_attempt, bump_version_sql
 from torchyard.store.lifecycle import Fenced, counted_failures, fence, finish_attempt
-from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, Worker, utcnow
+from torchyard.store.models import Assignment, Attempt, Checkpoint, Job, Sweep, Worker, utcnow
 from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
@@ -63,6 +63,9 @@ class Claimed:
     world_size: int
     spec: dict[str, Any]
     cancelling: bool
+    # a sweep trial's objective and its sweep's pruner (None: not a trial)
+    sweep_metric: str | None = None
+    sweep_pruner: str | None = None
 
 
 def claim_rank(session: Session, assignment_id: int, worker_id: str) -> Claimed | None:
@@ -71,11 +74,20 @@ def claim_rank(session: Session, assignment_id: int, worker_id: str) -> Claimed 
     if a is None:
         return None
     row = session.execute(
-        select(Attempt.number, Attempt.world_size, Job.spec, Job.state, Job.cancel_requested)
+        select(
+            Attempt.number,
+            Attempt.world_size,
+            Job.spec,
+            Job.state,
+            Job.cancel_requested,
+            Sweep.metric,
+            Sweep.pruner,
+        )
         .join(Job, Job.id == Attempt.job_id)
+        .outerjoin(Sweep, Sweep.id == Job.sweep_id)
         .where(Attempt.id == a.attempt_id)
     ).one()
-    number, world_size, spec, job_state, cancel_requested = row
+    number, world_size, spec, job_state, cancel_requested, metric, pruner = row
     return Claimed(
         assignment_id=a.id,
         attempt_id=a.attempt_id,
@@ -85,6 +97,8 @@ def claim_rank(session: Session, assignment_id: int, worker_id: str) -> Claimed 
         world_size=world_size,
         spec=dict(spec),
         cancelling=job_state == CANCELLING or bool(cancel_requested),
+        sweep_metric=metric,
+        sweep_pruner=pruner,
     )
 
 

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     from optuna.storages import RDBStorage
 
 SWEEP_STATES = (RUNNING, SUCCEEDED, FAILED, CANCELLED)
-# A trial's outcome, once decided (None while it runs): what Optuna is told.
-COMPLETE, PRUNED, FAIL = "complete", "pruned", "failed"
+# A trial's outcome, once decided (None while it runs): what Optuna is told (a cancelled
+# trial is told FAIL: Optuna has no cancelled state).
+COMPLETE, PRUNED, FAIL, CANCELLED_TRIAL = "complete", "pruned", "failed", "cancelled"
 OPTUNA_SCHEMA = "torchyard_optuna"
 
 
@@ -133,7 +134,7 @@ def summary(sweep: Sweep, owner: str, trials: list[dict[str, Any]]) -> dict[str,
         "pruner": sweep.pruner,
         "seed": sweep.seed,
         "error": sweep.error,
-        "counts": {k: counts.get(k, 0) for k in (RUNNING, COMPLETE, PRUNED, FAIL)},
+        "counts": {k: counts.get(k, 0) for k in (RUNNING, COMPLETE, PRUNED, FAIL, CANCELLED_TRIAL)},
         "best": best_trial(trials, sweep.mode),
         "created_at": sweep.created_at,
         "updated_at": sweep.updated_at,

@@ -62,11 +62,13 @@ from torchyard.trainer.events import EventSink
 from torchyard.trainer.failures import UserCodeError, classify, describe
 from torchyard.trainer.models import build_model
 from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
+from torchyard.trainer.rungs import Gate, Verdict, load_plan
 from torchyard.trainer.signals import StopFlag
 
 # Losses are read back (one host sync) at most this many steps apart; also the stop-flag check
 # interval under DDP, where every rank must agree on the step to stop at.
 MAX_SYNC_EVERY = 10
+EVAL_METRICS = ("val/loss", "val/accuracy")  # what every rank's evaluation produces
 PROGRESS_EVERY_S = 1.0
 
 
@@ -235,6 +237,8 @@ class Trainer:
         self.evaluated_at = -1
         self.window = Window()
         self.pace = Pace(start_step=pos.step, last_step=pos.step)
+        plan = load_plan(r.run_dir)
+        self.gate = Gate(plan, r.run_dir, self.d, r.stop, r.events, r.log) if plan else None
 
     # ---- setup
 
@@ -332,6 +336,10 @@ class Trainer:
         ep, spec = self.pos.epoch + 1, self.spec
         if spec.eval_every_epochs and ep % spec.eval_every_epochs == 0:
             self.evaluate()
+            verdict = self.at_rung(ep // spec.eval_every_epochs)
+            if verdict is Verdict.PRUNE:
+                return self.pruned()
+            stopping = stopping or verdict is Verdict.STOP
         if spec.checkpoint.every_epochs and ep % spec.checkpoint.every_epochs == 0:
             self.save_resume()
         self.report_progress(force=True)
@@ -398,6 +406,36 @@ class Trainer:
             )
         barrier(self.d)  # no rank exits (and makes torchrun kill the others) before the save
         return exitcodes.PREEMPTED
+
+    # ---- a sweep trial's rungs (trainer/rungs.py)
+
+    def at_rung(self, index: int) -> Verdict:
+        """After evaluation `index` (from 1): a sweep trial at one of its rungs waits for the
+        pruner's verdict. Never at the last evaluation (a trial that finished is complete,
+        never pruned), and only on an objective every rank has (a val/ metric)."""
+        gate = self.gate
+        if gate is None or not gate.plan.is_rung(index) or self.pos.step >= self.total_steps:
+            return Verdict.GO
+        if gate.plan.metric not in EVAL_METRICS or gate.plan.metric not in self.metrics:
+            return Verdict.GO
+        t0 = time.perf_counter()
+        try:
+            return gate.wait(index, self.pos.step, self.metrics[gate.plan.metric])
+        finally:  # waiting is not training: the samples/s figures leave it out
+            dt = time.perf_counter() - t0
+            self.window.paused += dt
+            self.pace.paused += dt
+
+    def pruned(self) -> int:
+        """The pruner stopped this trial at its rung: say so and exit, without a checkpoint
+        (a pruned trial is not resumed)."""
+        assert self.gate is not None
+        why = self.gate.last.reason if self.gate.last is not None else ""
+        self.events.emit("stopped", signal="pruned", step=self.pos.step, checkpoint=None)
+        if self.main:
+            self.r.log(f"pruned at step {self.pos.step}" + (f": {why}" if why else ""))
+        barrier(self.d)
+        return exitcodes.PRUNED
 
     # ---- reports: metrics, progress, evaluation
 

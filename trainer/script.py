@@ -46,6 +46,7 @@ from torchyard.trainer.checkpoint import export_weights, prune, save_checkpoint
 from torchyard.trainer.distributed import Dist
 from torchyard.trainer.envinfo import versions
 from torchyard.trainer.failures import UserCodeError, classify, describe
+from torchyard.trainer.rungs import Gate, Verdict, load_plan
 
 if TYPE_CHECKING:
     from torchyard.trainer.loop import Run
@@ -66,11 +67,22 @@ def run_script(spec: JobSpec, r: Run, code_dir: Path) -> int:
             seed_everything(spec.seed)
             run_user_script(path, r.run_dir)
         return end(r, b)
+    except Pruned as p:
+        return pruned(r, p.step, p.reason)
     except Exception as e:
         kind, code = classify(e, r.run_dir)
         if kind == "internal" or (kind == "user_code" and not isinstance(e, UserCodeError)):
             traceback.print_exc(file=sys.stderr)  # the user's frames are in it
         return fail(r, kind, describe(e), b.last_step if b else 0, code)
+
+
+class Pruned(BaseException):
+    """Raised from `torchyard.job.log` at a rung the pruner pruned: a BaseException, so the
+    user's `except Exception` does not swallow it on its way out of their script."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"pruned at step {step}")
+        self.step, self.reason = step, reason
 
 
 class ScriptBackend:
@@ -92,6 +104,11 @@ class ScriptBackend:
         self.saw_stop = False  # should_stop() said True
         self.weights_saved = False
         self.progress_t = -math.inf
+        # A one-rank script waits at its rungs in log() (each report of the objective is
+        # an evaluation); under DDP only rank 0 logs, so its ranks could not wait together.
+        plan = load_plan(r.run_dir) if d.world_size == 1 else None
+        self.gate = Gate(plan, r.run_dir, d, r.stop, r.events, r.log) if plan else None
+        self.reports = plan.offset if plan else 0  # objective reports, earlier attempts' too
 
     def context(self) -> job.Context:
         return self.ctx
@@ -107,6 +124,20 @@ class ScriptBackend:
         if now - self.progress_t >= PROGRESS_EVERY_S:
             self.r.events.emit("progress", step=step, total_steps=None)
             self.progress_t = now
+        if self.gate is not None and self.gate.plan.metric in metrics:
+            self.at_rung(step, metrics[self.gate.plan.metric])
+
+    def at_rung(self, step: int, value: float) -> None:
+        """One more report of the objective; at a rung, wait for the verdict (a stop signal
+        while waiting leaves should_stop() to say so)."""
+        assert self.gate is not None
+        self.reports += 1
+        if self.gate.plan.is_rung(self.reports):
+            value = float(value)
+            verdict = self.gate.wait(self.reports, step, value if math.isfinite(value) else None)
+            if verdict is Verdict.PRUNE:
+                last = self.gate.last
+                raise Pruned(step, last.reason if last is not None else "")
 
     def save(self, state: dict[str, Any], step: int) -> None:
         self.last_step = self.saved_step = step
@@ -239,6 +270,13 @@ def end(r: Run, b: ScriptBackend) -> int:
         code = exitcodes.OK
     _barrier(d)
     return code
+
+
+def pruned(r: Run, step: int, reason: str) -> int:
+    """The pruner stopped this trial at a rung of its script's reports (one rank)."""
+    r.events.emit("stopped", signal="pruned", step=step, checkpoint=None)
+    r.log(f"pruned at step {step}" + (f": {reason}" if reason else ""))
+    return exitcodes.PRUNED
 
 
 def fail(r: Run, kind: str, message: str, step: int, code: int) -> int:

@@ -38,6 +38,7 @@ from torchyard.contracts.eventmodel import (
     EventLimits,
     MetricEvent,
     Progress,
+    RungEvent,
     Started,
     Stopped,
     ValidationError,
@@ -349,6 +350,8 @@ class EventRecorder:
     # still stop being listed.
     pruned_unrecorded: list[str] = field(default_factory=list)
     _reported: int = 0  # set-aside count last written to the attempt's reason
+    # This attempt's trainer waits at these rungs for the pruner (worker/supervisor.py).
+    rungs: list[RungEvent] = field(default_factory=list)
 
     def _own(self, ev: Event) -> bool:
         if self.attempt_number is None:
@@ -407,6 +410,8 @@ class EventRecorder:
             self.outcome.error = event_dict(ev)
         elif isinstance(ev, Stopped):
             self.outcome.stopped = event_dict(ev)
+        elif isinstance(ev, RungEvent):
+            self.rungs.append(ev)
 
     def add_all(self, tail: EventTail, final: bool = False, limit: int | None = None) -> int:
         """Buffer what `tail` has (at most `limit` lines); the lines it refused are set

@@ -2,7 +2,8 @@
 processes). What an outcome does to the job is `store.lifecycle.finish_attempt`'s call.
 
 Rules, first match wins:
-- cancel requested -> cancelled (succeeded still wins if the trainer finished first);
+- cancel requested -> cancelled (succeeded still wins if the trainer finished first); a
+  sweep trial its pruner stopped at a rung -> cancelled, its reason `pruned at step N: …`;
 - the run directory over TORCHYARD_MAX_RUN_DIR_BYTES (the worker measured it) -> failed
   as `run_dir_full`, not retried: the job's own doing, whether or not it finished;
 - rank 0's `finished` (or exit 0) -> succeeded, even if the worker was stopping by then;
@@ -52,6 +53,7 @@ DETERMINISTIC_ERRORS = frozenset(
 # Why the worker itself stopped its trainer (None: it exited on its own).
 STOP_CANCEL, STOP_WORKER, STOP_STORE_LOST = "cancel", "stopping", "store_lost"
 STOP_PREEMPT = "preempted"
+STOP_PRUNED = "pruned"  # the sweep's pruner pruned the trial at a rung (store/pruning.py)
 
 
 class Decision(NamedTuple):
@@ -84,6 +86,7 @@ class Ending:
     # The worker's own record that the trainer's lease went stale while it ran (so a stop
     # it did not ask for was the lease's doing, not the job's).
     lease_lapsed: bool = False
+    prune_reason: str | None = None  # why the pruner stopped it (stop_why STOP_PRUNED)
 
     def claims_storage_full(self) -> bool:
         """The trainer says the host's storage is full: exit 5 or a `storage_full` error."""
@@ -104,9 +107,11 @@ def decide(e: Ending) -> Decision | None:
     """The attempt's outcome, or None when another party decides (a rank other than 0
     whose trainer finished: rank 0 has the events)."""
     step = f" at step {e.last_step}" if e.last_step is not None else ""
-    if e.stop_why == STOP_CANCEL or e.job_state == CANCELLING:
+    if e.stop_why in (STOP_CANCEL, STOP_PRUNED) or e.job_state == CANCELLING:
         if e.rc == exitcodes.OK and e.finished:
             return Decision(A_SUCCEEDED, "finished before the cancel arrived", None, False)
+        if e.stop_why == STOP_PRUNED:
+            return Decision(A_CANCELLED, e.prune_reason or f"pruned{step}", None, False)
         return Decision(A_CANCELLED, f"cancelled{step}", None, False)
     if e.run_dir_full is not None:
         msg = f"run_dir_full: {e.run_dir_full}{step}; the worker stopped the trainer"

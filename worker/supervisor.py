@@ -68,6 +68,7 @@ from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced
 from torchyard.store.metrics import metric_names
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE
+from torchyard.store.pruning import Pruning
 from torchyard.store.states import CANCELLING
 from torchyard.worker.events import (
     TAIL_BATCH,
@@ -89,6 +90,7 @@ from torchyard.worker.launcher import (
 from torchyard.worker.outcome import (
     STOP_CANCEL,
     STOP_PREEMPT,
+    STOP_PRUNED,
     STOP_STORE_LOST,
     STOP_WORKER,
     Decision,
@@ -105,6 +107,7 @@ from torchyard.worker.publish import (
     log_key_for_rank,
 )
 from torchyard.worker.runfiles import append_to_log, file_size, write_spec_file
+from torchyard.worker.rungs import Rungs, prepare_rungs
 from torchyard.worker.runlimits import free_description, run_dir_over, storage_evidence
 from torchyard.worker.standby import WarmTrainer
 
@@ -115,6 +118,7 @@ HOLD_MAX = 50_000  # events held in memory while a checkpoint upload delays the 
 STATE_POLL_S = 0.5  # job/attempt state in the store (cancel seen well within 2 s)
 FLUSH_S = 0.5
 FLUSH_EVENTS = 500
+PRUNE_GRACE_S = 5.0  # a pruned trial's trainer exits at once; one that does not is killed
 STOP_GRACE_MIN_S = 30.0  # a stopping worker gives its trainer this long to checkpoint
 # A stopping worker gives up on the store this long after it saw its SIGTERM (the attempt
 # is then the reaper's): within `torchyard up`'s 45 s, however ingest or the store fails.
@@ -166,6 +170,8 @@ class WorkerContext:
     # how this slot starts trainers; None: made on first use, as the settings say
     # (worker/launcher.py choose_launcher), and kept: it owns the slot's sandbox folders
     launcher: Launcher | None = None
+    # sweep trials' verdicts at their rungs (made at the first trial with rungs, kept)
+    pruning: Pruning | None = None
 
     def store_ok(self) -> None:
         self.store_ok_at = time.monotonic()
@@ -275,6 +281,8 @@ class Supervision:
         # this offset on (what is before it is an earlier attempt's).
         self.rank_events = self.run_dir / rank_events_file(c.rank)
         self.rank_events_start = 0
+        self.rungs: Rungs | None = None  # a sweep trial's rungs (worker/rungs.py)
+        self.prune_reason: str | None = None
 
     def _tx(self, fn: Callable[[Any], T]) -> T:
         with session_scope(self.db) as s:
@@ -529,6 +537,8 @@ class Supervision:
             # the rest wait in the events file.
             if rank0 and not (self.recorder.waiting_upload and self.recorder.pending >= HOLD_MAX):
                 self.recorder.add_all(self.tail, limit=TAIL_BATCH)
+            if rank0 and self.recorder.rungs and (pruned_at := self._at_rungs()) is not None:
+                kill_at = pruned_at
             if (
                 rank0
                 and self.recorder.pending
@@ -647,6 +657,7 @@ class Supervision:
             oom_killed=oom_killed,
             preempted_by=self.preempted_by,
             lease_lapsed=self.ctx.lease_lapsed_since(self.launched_at, self._lease_stop_s()),
+            prune_reason=self.prune_reason,
         )
         decision = decide(self._with_evidence(ending))
         if decision is not None and self.stop_why is None and peer_decides_first(ending, decision):
@@ -723,6 +734,7 @@ class Supervision:
         records what earlier attempts left and picks the checkpoint to resume from; the
         other ranks take that pick at the rendezvous, never one of their own."""
         spec_path = self._write_spec()
+        self.rungs = self._prepare_rungs()
         start, picked = 0, None
         if self.c.rank == 0:
             start = self._ingest_backlog()  # may record the last checkpoint: look after it
@@ -742,6 +754,30 @@ class Supervision:
         if resume is None and (row := self._tx(lambda s: init_source(s, self.c.spec))) is not None:
             init = init_file(self.ctx.settings, row)
         return Prepared(spec_path, resume, rdv.master, start, code, init)
+
+    def _prepare_rungs(self) -> Rungs | None:
+        c = self.c
+        if c.sweep_pruner and self.ctx.pruning is None:
+            self.ctx.pruning = Pruning(self.db)
+        return prepare_rungs(self.ctx.pruning, self.run_dir, c.job_id, c.sweep_metric,
+                             c.sweep_pruner, self._tx)  # fmt: skip
+
+    def _at_rungs(self) -> float | None:
+        """Rank 0's trainer waits at a rung: its metrics into the store, then the pruner's
+        verdict to the trainer. A pruned trial's trainer exits at once; one that does not
+        is killed after PRUNE_GRACE_S (returned: the kill time)."""
+        pending = self.recorder.rungs
+        if self.rungs is None or self.stop_why is not None or self.fenced:
+            pending.clear()
+            return None
+        self._flush()
+        done = self.rungs.answer(pending)
+        if done is None:
+            return None
+        self.stop_why = STOP_PRUNED
+        self.prune_reason = f"pruned at step {done.step}: {done.verdict.reason}"
+        log.info("job %s: %s", self.c.job_id, self.prune_reason)
+        return time.monotonic() + PRUNE_GRACE_S
 
     def _lease_stop_s(self) -> float:
         """How stale the trainer's lease gets before it stops itself (no lease: never)."""

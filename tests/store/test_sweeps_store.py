@@ -1,6 +1,6 @@
 """Sweeps in the store and the sweep controller (scheduler/sweeps.py) against real Optuna, on
-SQLite and PostgreSQL: trials queued as jobs with their values set, reports and ASHA
-pruning through the jobs' cancel, outcomes, quotas, cancel, two controllers at once, and a
+SQLite and PostgreSQL: trials queued as jobs with their values set, ASHA's verdicts at the
+rungs (store/pruning.py) and a pruned trial's cancel, outcomes, quotas, cancel, two controllers at once, and a
 controller that stops between asking Optuna and storing the trial."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text, update
 from torchyard_testdb import SPEC, Factory
 
+from torchyard.contracts.rungs import RungVerdict
 from torchyard.scheduler import submit
 from torchyard.scheduler import sweeps as controller
 from torchyard.scheduler.sweeps import SweepController
@@ -25,6 +26,7 @@ from torchyard.store.db import session_scope
 from torchyard.store.jobs import Viewer
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.models import Base, Job, JobEvent, Sweep, SweepTrial, User
+from torchyard.store.pruning import Pruning, rung_plan
 from torchyard.store.sweeps import (
     NewSweep,
     cancel_sweep,
@@ -120,32 +122,40 @@ def test_trials_are_jobs_with_their_values_at_the_dotted_paths(
     assert [t.state.name for t in study(db_url, sid).trials] == ["RUNNING", "RUNNING"]
 
 
-def test_asha_prunes_through_the_cancel_path_and_the_best_complete_trial_wins(
+def test_asha_prunes_at_the_rung_and_the_best_complete_trial_wins(
     factory: Factory, ctl: SweepController, db_url: str
 ) -> None:
+    """The worker's verdicts (store/pruning.py) at rungs 1, 3, 9 …: the first trial at a
+    rung goes on, a trial below the best third there is pruned at once, recorded with its
+    value and step and its job cancelled; the controller only records how jobs ended."""
+    pruning = Pruning(db_url)
     sid = new_sweep(factory, pruner="asha")
     ctl.run_pass()
     (t0,) = trials(db_url, sid)
-    run_job(factory, t0["job_id"], {k: 0.5 + k / 1000 for k in range(10, 101, 10)}, "succeeded")
-    ctl.run_pass()  # trial 0 complete (ASHA's min_resource: 100 // 100), trial 1 queued
+    run_job(factory, t0["job_id"], {10: 0.5}, None)
+    assert pruning.decide(t0["job_id"], 1, 0.5, 10) == RungVerdict(index=1, prune=False)
+    run_job(factory, t0["job_id"], {30: 0.55, 100: 0.6}, None)
+    assert not pruning.decide(t0["job_id"], 3, 0.55, 30).prune
+    factory.set_state(t0["job_id"], "succeeded")
+    ctl.run_pass()  # trial 0 complete with its final value, trial 1 queued
     t0, t1 = trials(db_url, sid)
-    assert (t0["status"], t0["value"]) == ("complete", 0.6)
-    run_job(factory, t1["job_id"], {10: 0.9}, None)
-    ctl.run_pass()  # the first trial at its rungs: promoted
-    run_job(factory, t1["job_id"], {20: 0.92, 100: 0.95}, "succeeded")
+    assert (t0["status"], t0["value"], t0["step"]) == ("complete", 0.6, 100)
+    run_job(factory, t1["job_id"], {10: 0.9, 30: 0.92, 100: 0.95}, "succeeded")
+    assert not pruning.decide(t1["job_id"], 1, 0.9, 10).prune  # the best at rung 1
     ctl.run_pass()
     t2 = trials(db_url, sid)[2]
     run_job(factory, t2["job_id"], {10: 0.1}, None)
-    ctl.run_pass()  # worse than trial 1 at rung 0: pruned
+    v = pruning.decide(t2["job_id"], 1, 0.1, 10)  # below the best third of 0.5, 0.9, 0.1
+    assert v.prune and "val/accuracy 0.1 at evaluation 1" in v.reason
+    assert pruning.decide(t2["job_id"], 1, 0.1, 10).prune  # asked again: the same answer
     t0, t1, t2 = trials(db_url, sid)
     assert (t1["status"], t1["value"]) == ("complete", 0.95)
-    assert (t2["status"], t2["pruned"], t2["state"], t2["value"]) == (
-        "pruned", True, "cancelling", 0.1)  # fmt: skip
+    assert (t2["status"], t2["pruned"], t2["state"], t2["value"], t2["step"]) == (
+        "pruned", True, "cancelling", 0.1, 10)  # fmt: skip
     with session_scope(db_url) as s:
-        reasons = s.scalars(select(JobEvent.data).where(JobEvent.job_id == t2["job_id"]))
-        assert {"from": "running", "to": "cancelling", "reason": "pruned", "attempt": 1} in list(
-            reasons
-        )
+        data = list(s.scalars(select(JobEvent.data).where(JobEvent.job_id == t2["job_id"])))
+    (cancel,) = [d for d in data if d.get("to") == "cancelling"]
+    assert cancel["reason"].startswith("pruned at step 10: val/accuracy 0.1 at evaluation 1")
     states = [t.state.name for t in study(db_url, sid).trials]
     assert states == ["COMPLETE", "COMPLETE", "PRUNED"]
     assert sweep_row(db_url, sid).state == "running"  # until the pruned job has stopped
@@ -159,7 +169,31 @@ def test_asha_prunes_through_the_cancel_path_and_the_best_complete_trial_wins(
         "number": 1, "job_id": t1["job_id"], "params": {"optimizer.lr": t1["params"]["optimizer.lr"]},
         "value": 0.95,
     }  # fmt: skip
-    assert view["counts"] == {"running": 0, "complete": 2, "pruned": 1, "failed": 0}
+    assert view["counts"] == {"running": 0, "complete": 2, "pruned": 1, "failed": 0,
+                              "cancelled": 0}  # fmt: skip
+    assert view["trials"][2]["status"] == "pruned"  # its job's cancel did not change that
+
+
+def test_a_trial_that_finished_is_complete_and_the_pruner_never_decides_after(
+    factory: Factory, ctl: SweepController, db_url: str
+) -> None:
+    sid = new_sweep(factory, pruner="asha", max_trials=1)
+    ctl.run_pass()
+    (t,) = trials(db_url, sid)
+    run_job(factory, t["job_id"], {10: 0.2, 50: 0.3}, "succeeded")
+    ctl.run_pass()
+    assert not Pruning(db_url).decide(t["job_id"], 1, 0.2, 10).prune  # a late rung: no-op
+    (t,) = trials(db_url, sid)
+    assert (t["status"], t["state"], t["value"], t["step"]) == ("complete", "succeeded", 0.3, 50)
+
+
+def test_rung_plans_match_their_pruners() -> None:
+    asha = rung_plan("asha", "val/loss")
+    assert asha is not None and asha.rungs[:4] == [1, 3, 9, 27] and not asha.every
+    assert [asha.is_rung(i) for i in (1, 2, 3, 9, 10)] == [True, False, True, True, False]
+    median = rung_plan("median", "val/loss")
+    assert median is not None and median.every and median.is_rung(7)
+    assert rung_plan("none", "val/loss") is None
 
 
 def test_failed_jobs_and_invalid_values_fail_trials_and_then_the_sweep(
@@ -224,7 +258,7 @@ def test_cancel_stops_queued_and_running_trials_and_no_new_one_starts(
     factory.set_state(a["job_id"], "cancelled")
     assert ctl.run_pass() == 0
     got = trials(db_url, sid)
-    assert len(got) == 2 and {t["status"] for t in got} == {"failed"}
+    assert len(got) == 2 and {t["status"] for t in got} == {"cancelled"}
     assert sweep_row(db_url, sid).state == "cancelled"
     assert [t.state.name for t in study(db_url, sid).trials] == ["FAIL", "FAIL"]
     with session_scope(db_url) as s:  # nothing left for the controller

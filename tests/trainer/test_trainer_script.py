@@ -500,3 +500,33 @@ def test_by_hand_the_local_backend_keeps_3_restores_the_newest_and_catches_sigte
     finally:
         job._install(None)
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_one_rank_script_waits_at_its_rungs_and_a_prune_ends_it(tmp_path: Path) -> None:
+    """Each job.log holding the objective is an evaluation: at a rung of the plan the script
+    waits in log() for the verdict; pruned, it stops there even through `except Exception`
+    (the trainer's PRUNED exit, a `stopped` event saying `pruned`, no `finished`)."""
+    from torchyard.contracts.rungs import PLAN_FILE, RungPlan, RungVerdict, verdict_file
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan = RungPlan(metric="val/accuracy", rungs=[1, 3], offset=1)  # one report before
+    (run_dir / PLAN_FILE).write_text(plan.model_dump_json())
+    (run_dir / verdict_file(3)).write_text(RungVerdict(index=3, prune=True).model_dump_json())
+    body = (
+        "from torchyard import job\n"
+        "job.setup()\n"
+        "for step in range(1, 6):\n"
+        "    try:\n"
+        "        job.log(step, train_loss=1.0 / step, **{'val/accuracy': step / 10})\n"
+        "    except Exception:\n"
+        "        pass\n"
+        "print('never reached')\n"
+    )
+    code, events = run_here(tmp_path, "loop.py", body)
+    assert code == exitcodes.PRUNED
+    rungs = of_type(events.events, "rung")
+    assert [(e["index"], e["step"], e["value"]) for e in rungs] == [(3, 2, 0.2)]
+    (stopped,) = of_type(events.events, "stopped")
+    assert (stopped["signal"], stopped["step"]) == ("pruned", 2)
+    assert not of_type(events.events, "finished")
