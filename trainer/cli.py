@@ -46,6 +46,9 @@ if TYPE_CHECKING:  # torch loads only once the command line and spec are accepte
     from torchyard.trainer.events import JsonlEvents
 
 
+ran_user_script = False  # set when this process ran a script job (trainer/__main__.py reads it)
+
+
 class Refused(Exception):
     """A bad command line, spec or environment: exit BAD_SPEC before anything is written."""
 
@@ -225,6 +228,8 @@ def _train(job: Job, d: Dist, stop: StopFlag) -> int:
         if job.spec.entrypoint is not None:
             from torchyard.trainer.script import run_script
 
+            global ran_user_script
+            ran_user_script = True
             assert job.code_dir is not None
             return run_script(job.spec, r, job.code_dir)
         return run(job.spec, r)
