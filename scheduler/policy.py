@@ -19,8 +19,16 @@ workers that become idle accumulate for it and jobs behind it get only what is l
 over. A job that asks for more workers than are registered and live cannot be helped by
 waiting, so it never reserves (its reason says how many are registered).
 
-Cost: idle workers are kept per kind and host and hosts bucketed by idle count, never
-rescanned per job, so a pass over a thousand idle workers plans in milliseconds.
+Warm placement. A one-rank job starts on its worker's warm trainer when that has finished
+its imports (`FreeWorker.warm`, workers.warm_since: worker/standby.py), ~3 s sooner than a
+cold start; a gang's ranks always start cold (torchrun). So within the kind a job gets, a
+one-rank job takes a warm idle worker before any cold one (of the warm ones, on the host
+with the fewest idle workers, as below), and a gang takes the hosts it would take anyway
+but, on each, its cold workers first: warm ones stay for the one-rank jobs behind it.
+
+Cost: idle workers are kept per kind and host and hosts bucketed by idle count (and, for
+warm ones, by idle count again), never rescanned per job, so a pass over a thousand idle
+workers plans in milliseconds.
 """
 
 from __future__ import annotations
@@ -67,9 +75,16 @@ class Pools:
             self.order.setdefault(w.host, len(self.order))
         # kind -> idle count -> hosts with exactly that many idle workers
         self.buckets: dict[Kind, dict[int, set[str]]] = {}
+        # kind -> host -> its warm idle workers (hosts with none are absent), and the same
+        # buckets as above for the hosts with a warm idle worker only
+        self.warm: dict[Kind, dict[str, int]] = {}
+        self.warm_buckets: dict[Kind, dict[int, set[str]]] = {}
         for k, hosts in self.hosts.items():
             for h, ws in hosts.items():
                 self.buckets.setdefault(k, {}).setdefault(len(ws), set()).add(h)
+                if warm := sum(1 for w in ws if w.warm):
+                    self.warm.setdefault(k, {})[h] = warm
+                    self.warm_buckets.setdefault(k, {}).setdefault(len(ws), set()).add(h)
 
     def total(self) -> int:
         return sum(self.size.values())
@@ -91,38 +106,74 @@ class Pools:
         return self._take(min(fitting, key=lambda k: (self.size[k], k)), n)
 
     def _take(self, k: Kind, n: int) -> list[FreeWorker]:
-        """All on one host when a host has enough (the one with the fewest idle that still
+        """One rank: a warm worker when there is one (see the module docstring). Otherwise
+        all on one host when a host has enough (the one with the fewest idle that still
         fits, keeping big hosts whole for big jobs), else from the hosts with most idle
-        workers first (fewest hosts spanned)."""
+        workers first (fewest hosts spanned); on each host, cold workers first."""
+        if n == 1 and (host := self._fewest(self.warm_buckets.get(k, {}), 1)) is not None:
+            return self._remove(k, [host], 1, warm_first=True)
         buckets = self.buckets[k]
-        fits = [c for c, hs in buckets.items() if c >= n and hs]
-        if fits:
-            order = [min(buckets[min(fits)], key=self.order.__getitem__)]
+        if (host := self._fewest(buckets, n)) is not None:
+            order = [host]
         else:
             order = [h for c in sorted(buckets, reverse=True)
                      for h in sorted(buckets[c], key=self.order.__getitem__)]  # fmt: skip
         return self._remove(k, order, n)
 
+    def _fewest(self, buckets: dict[int, set[str]], n: int) -> str | None:
+        """The host with the fewest idle workers that still has n (the first in the store's
+        order on a tie), or None."""
+        fits = [c for c, hs in buckets.items() if c >= n and hs]
+        return min(buckets[min(fits)], key=self.order.__getitem__) if fits else None
+
     def reserve(self, k: Kind, n: int) -> None:
-        """Hold back the first n idle workers of kind k (in host, id order) for a waiting job."""
+        """Hold back n idle workers of kind k (in host order, cold ones first on each host,
+        warm ones last: they are what a one-rank job behind it can still use) for a
+        waiting job."""
         self._remove(k, list(self.hosts[k]), n)
 
-    def _remove(self, k: Kind, hosts: list[str], n: int) -> list[FreeWorker]:
+    def _remove(
+        self, k: Kind, hosts: list[str], n: int, warm_first: bool = False
+    ) -> list[FreeWorker]:
         chosen: list[FreeWorker] = []
+        warm = self.warm.get(k, {})
         for h in hosts:
             if len(chosen) == n:
                 break
             ws = self.hosts[k][h]
-            got = ws[: n - len(chosen)]
+            got, rest = _pick(ws, n - len(chosen), warm_first if h in warm else None)
             self.buckets[k][len(ws)].discard(h)
-            if len(got) == len(ws):
+            if not rest:
                 del self.hosts[k][h]  # keeps the order of the others; never scanned again
             else:
-                self.hosts[k][h] = ws[len(got) :]
-                self.buckets[k].setdefault(len(ws) - len(got), set()).add(h)
+                self.hosts[k][h] = rest
+                self.buckets[k].setdefault(len(rest), set()).add(h)
+            if h in warm:
+                self._rewarm(k, h, len(ws), rest, warm[h] - sum(1 for w in got if w.warm))
             chosen += got
         self.size[k] -= len(chosen)
         return chosen
+
+    def _rewarm(self, k: Kind, h: str, before: int, rest: list[FreeWorker], left: int) -> None:
+        """Host h of kind k went from `before` idle workers to `rest`, `left` of them warm."""
+        self.warm_buckets[k][before].discard(h)
+        if left:
+            self.warm[k][h] = left
+            self.warm_buckets[k].setdefault(len(rest), set()).add(h)
+        else:
+            del self.warm[k][h]
+
+
+def _pick(
+    ws: list[FreeWorker], m: int, warm_first: bool | None
+) -> tuple[list[FreeWorker], list[FreeWorker]]:
+    """m of a host's idle workers and the rest, both in id order: the first m, or with
+    `warm_first` set (the host has a warm one), the warm (True) or cold (False) ones first."""
+    if warm_first is None or m >= len(ws):
+        return ws[:m], ws[m:]
+    first = [w for w in ws if w.warm == warm_first]
+    taken = {w.id for w in (first + [w for w in ws if w.warm != warm_first])[:m]}
+    return [w for w in ws if w.id in taken], [w for w in ws if w.id not in taken]
 
 
 @dataclass

@@ -277,6 +277,9 @@ class Worker(Base):
     current_assignment_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Since when its warm trainer has been ready for a one-rank job; null: none ready
+    # (store/workers.py; placement prefers warm workers, migration 0015).
+    warm_since: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 def _bytewise(length: int) -> String:

@@ -54,6 +54,7 @@ class FreeWorker(NamedTuple):
     device: str
     device_name: str | None
     queue: str
+    warm: bool = False  # its warm trainer is ready (workers.warm_since is set)
 
 
 class Started(NamedTuple):
@@ -69,7 +70,14 @@ class Started(NamedTuple):
 def idle_workers(session: Session, cutoff: datetime) -> list[FreeWorker]:
     """Idle workers whose heartbeat is newer than `cutoff`, by host then id."""
     q = (
-        select(Worker.id, Worker.host, Worker.device, Worker.device_name, Worker.queue)
+        select(
+            Worker.id,
+            Worker.host,
+            Worker.device,
+            Worker.device_name,
+            Worker.queue,
+            Worker.warm_since.is_not(None),
+        )
         .where(Worker.state == IDLE, Worker.last_heartbeat >= cutoff)
         .order_by(Worker.host, Worker.id)
     )

@@ -4,14 +4,21 @@ the reaper that declares silent workers lost and sends their jobs back to the qu
 States (named in store/states.py): idle (may be assigned), busy (holds an assignment),
 lost (heartbeat stale), stopped (deregistered, or stopping: no new work). Only `idle`
 workers with a fresh heartbeat are scheduled.
+
+`warm_since`: since when the worker's warm trainer (worker/standby.py) has been ready to
+take a one-rank job; null when it has none ready (starting, taken, dead, turned off).
+Written with registration, every heartbeat and release (no extra statement), and by
+`set_warm` when it changes between heartbeats; placement prefers warm workers
+(scheduler/policy.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from torchyard.store.attempts import (
@@ -24,7 +31,7 @@ from torchyard.store.attempts import (
     unclaimed_since,
 )
 from torchyard.store.dialect import db_now, db_now_value, is_postgres
-from torchyard.store.models import Assignment, Attempt, Worker, utcnow
+from torchyard.store.models import Assignment, Attempt, UTCDateTime, Worker, utcnow
 from torchyard.store.states import W_BUSY, W_IDLE, W_LIVE, W_LOST, W_STOPPED
 
 IDLE, BUSY, LOST, STOPPED, LIVE = W_IDLE, W_BUSY, W_LOST, W_STOPPED, W_LIVE
@@ -40,6 +47,18 @@ class WorkerInfo:
     gpu: int | None = None
     device_name: str | None = None
     memory_bytes: int | None = None
+    warm: bool = False  # its warm trainer is ready now
+
+
+def warm_value(session: Session, warm: bool) -> Any:
+    """What `warm_since` becomes: kept while still warm, now (the database's clock) when it
+    just became warm, null when not."""
+    if not warm:
+        return None
+    now = db_now_value(session)
+    if isinstance(now, datetime):  # SQLite: a value, bound as the column binds it
+        now = literal(now, UTCDateTime)
+    return func.coalesce(Worker.warm_since, now)
 
 
 def register_worker(session: Session, info: WorkerInfo) -> list[str]:
@@ -58,25 +77,44 @@ def register_worker(session: Session, info: WorkerInfo) -> list[str]:
     row.state, row.current_job_id, row.current_assignment_id = IDLE, None, None
     # Liveness is judged on the database's clock, never a worker host's (clock skew).
     row.last_heartbeat, row.registered_at = db_now_value(session), now
+    row.warm_since = row.last_heartbeat if info.warm else None
     session.flush()
     return lost_jobs
 
 
-def heartbeat(session: Session, worker_id: str) -> str | None:
-    """Refresh a live worker's heartbeat. Returns its state; `lost` means the reaper gave up
-    on it (its attempt was re-queued), None that the row is gone."""
+def heartbeat(session: Session, worker_id: str, warm: bool | None = None) -> str | None:
+    """Refresh a live worker's heartbeat (and its warm mark, unless `warm` is None). Returns
+    its state; `lost` means the reaper gave up on it (its attempt was re-queued), None that
+    the row is gone."""
+    values: dict[str, Any] = {"last_heartbeat": db_now_value(session)}
+    if warm is not None:
+        values["warm_since"] = warm_value(session, warm)
     session.execute(
         update(Worker)
         .where(Worker.id == worker_id, Worker.state.in_(LIVE))
-        .values(last_heartbeat=db_now_value(session))
+        .values(**values)
         .execution_options(synchronize_session=False)
     )
     return session.scalar(select(Worker.state).where(Worker.id == worker_id))
 
 
-def release_worker(session: Session, worker_id: str, assignment_id: int) -> bool:
+def set_warm(session: Session, worker_id: str, warm: bool) -> None:
+    """The worker's warm trainer became ready, or was taken or lost, between heartbeats."""
+    session.execute(
+        update(Worker)
+        .where(Worker.id == worker_id, Worker.state.in_(LIVE))
+        .values(warm_since=warm_value(session, warm))
+        .execution_options(synchronize_session=False)
+    )
+
+
+def release_worker(
+    session: Session, worker_id: str, assignment_id: int, warm: bool | None = None
+) -> bool:
     """Back to idle after the assignment ended (also from `lost`: the worker shows it is
-    alive). Conditional on still holding that assignment."""
+    alive), with its warm mark unless `warm` is None. Conditional on still holding that
+    assignment."""
+    values: dict[str, Any] = {} if warm is None else {"warm_since": warm_value(session, warm)}
     res = session.execute(
         update(Worker)
         .where(
@@ -89,6 +127,7 @@ def release_worker(session: Session, worker_id: str, assignment_id: int) -> bool
             current_job_id=None,
             current_assignment_id=None,
             last_heartbeat=db_now_value(session),
+            **values,
         )
         .execution_options(synchronize_session=False)
     )
@@ -117,7 +156,7 @@ def deregister(session: Session, worker_id: str) -> list[str]:
     session.execute(
         update(Worker)
         .where(Worker.id == worker_id)
-        .values(state=STOPPED, current_job_id=None, current_assignment_id=None)
+        .values(state=STOPPED, current_job_id=None, current_assignment_id=None, warm_since=None)
         .execution_options(synchronize_session=False)
     )
     return jobs

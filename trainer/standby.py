@@ -8,13 +8,16 @@ output already goes through the worker's pipe). It appends its stdout and stderr
 log, moves into the run directory, takes the environment, and
 runs exactly `trainer.cli.main` with those arguments: same events, same exit codes.
 
-End of input (the worker stopping) exits 0 quietly; SIGTERM while waiting ends it too (the
-default action). A message that is not what the worker sends exits BAD_SPEC with one line
-on stderr.
+Once its imports are done it writes `READY_LINE` on its output (still the worker's pipe):
+the worker's sign that its slot is warm (worker/standby.py `ReadyPump`), which placement
+prefers (scheduler/policy.py). End of input (the worker stopping) exits 0 quietly; SIGTERM
+while waiting ends it too (the default action). A message that is not what the worker
+sends exits BAD_SPEC with one line on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -25,6 +28,8 @@ from torchyard.trainer.cli import follow_parent
 from torchyard.trainer.cli import main as trainer_main
 
 OPTIONS = frozenset({"--resume", "--code-dir", "--init"})
+# Kept equal to worker/standby.py READY_LINE (the worker never imports the trainer).
+READY_LINE = b"[torchyard] warm trainer ready\n"
 
 
 class Go(BaseModel):
@@ -76,6 +81,13 @@ def warm_up() -> None:
     import torchyard.trainer.loop  # noqa: F401  (data, models, optim, checkpoint, distributed)
 
 
+def say_ready() -> None:
+    """Tell the worker the imports are done, in one write (atomic on a pipe); an output it
+    cannot take (a closed pipe) only costs the slot its warm mark."""
+    with contextlib.suppress(OSError, ValueError):
+        os.write(sys.stdout.fileno(), READY_LINE)
+
+
 def read_go(line: bytes) -> Go:
     """The go message, or ValueError saying what is wrong with it."""
     try:
@@ -111,6 +123,7 @@ def _become(go: Go) -> None:
 def main() -> int:
     follow_parent()
     warm_up()
+    say_ready()
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return 0  # the worker is stopping (or gave up on us): nothing to do

@@ -193,6 +193,7 @@ class LocalLauncher:
 
     def __init__(self, standby: Standby | None = None, cgroup: TrainerCgroup | None = None):
         self.standby = standby
+        self.uses_standby = standby is not None  # worker/launcher.py uses_standby
         self.cgroup = cgroup
         if standby is not None:
             standby.cgroup = cgroup  # its standby starts in the slot's cgroup too

@@ -159,7 +159,10 @@ class SandboxLauncher:
         self._inits: dict[int, int | None] = {}  # standby's bwrap pid -> its init's pid
         self.cgroup = trainer_cgroup(settings)  # every trainer and standby of the slot
         self._oom_count = oom_counter(self.cgroup)
-        if standby is not None and support().ok:
+        # Where the host cannot sandbox, every trainer starts cold (`start`): the worker
+        # must not claim its slot warm (worker/launcher.py uses_standby).
+        self.uses_standby = standby is not None and support().ok
+        if standby is not None and self.uses_standby:
             standby.starter = self._start_standby
             standby.view = lambda env: sandbox_env(env, _bin())
 

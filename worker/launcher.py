@@ -125,6 +125,13 @@ class Launcher(Protocol):
 LauncherFactory = Callable[[Settings, Standby | None], Launcher]
 
 
+def uses_standby(launcher: Launcher) -> bool:
+    """Whether this launcher hands a one-rank job to the slot's standby (its `uses_standby`;
+    one that does not say starts every trainer cold). A worker whose launcher does not never
+    claims its slot warm (worker/node.py)."""
+    return bool(getattr(launcher, "uses_standby", False))
+
+
 def launcher_name(settings: Settings) -> str:
     """TORCHYARD_SANDBOX=off: `local`; else `sandbox` (which runs built-in jobs as `local`
     ones and refuses user code where the host cannot sandbox)."""

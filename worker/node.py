@@ -9,6 +9,10 @@ trainer checkpoint and exit, hands the job back, and only then does the worker e
 
 The slot's warm trainer (worker/standby.py, unless TORCHYARD_WARM_TRAINER=false) is
 started on that same main thread: before the consumer starts, and again after each job.
+Whether it is ready (`workers.warm_since`, which placement prefers: scheduler/policy.py)
+rides on every heartbeat and release; the heartbeat thread writes it at once, between
+heartbeats, when it changes (ready, taken, died), so the scheduler sees it within
+HB_POLL_S. A worker without one, or whose launcher starts every trainer cold, is never warm.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from torchyard.store.workers import (
     heartbeat,
     register_worker,
     release_worker,
+    set_warm,
     stop_accepting,
 )
 from torchyard.worker.identity import Device
-from torchyard.worker.launcher import choose_launcher
+from torchyard.worker.launcher import choose_launcher, uses_standby
 from torchyard.worker.proc import slot_env
 from torchyard.worker.sandbox import say_sandbox
 from torchyard.worker.standby import WarmTrainer
@@ -77,6 +82,9 @@ class WorkerNode:
             )
         # Made before the standby starts: the launcher decides how (inside the sandbox).
         self.ctx.launcher = choose_launcher(settings, self.ctx.warm)
+        self._uses_standby = uses_standby(self.ctx.launcher)
+        self._warm_told: bool | None = None  # the warm mark the store was last sent
+        self._next_beat = 0.0
         say_sandbox(settings)
         self.app = make_celery(settings)
         self._asked_register_at = -REREGISTER_EVERY_S
@@ -96,11 +104,24 @@ class WorkerNode:
             gpu=d.gpu,
             device_name=d.name,
             memory_bytes=d.memory_bytes,
+            warm=self.warm_now(),
+        )
+
+    def warm_now(self) -> bool:
+        """Whether this slot's next one-rank job would start on a ready standby."""
+        warm = self.ctx.warm
+        return (
+            warm is not None
+            and self._uses_standby
+            and not self.ctx.stopping.is_set()
+            and warm.ready()
         )
 
     def register(self) -> None:
+        info = self.info()
         with session_scope(self.settings.db_url) as s:
-            lost = register_worker(s, self.info())
+            lost = register_worker(s, info)
+        self._warm_told = info.warm
         self.ctx.store_ok()
         if lost:
             log.warning("previous process of %s left jobs %s; marked lost", self.worker_id, lost)
@@ -108,32 +129,49 @@ class WorkerNode:
         wake_scheduler(self.settings)
 
     def _heartbeat_loop(self) -> None:
-        next_beat = 0.0
         while not self._hb_stop.wait(HB_POLL_S):
             try:
-                if self.ctx.stopping.is_set() and not self._stop_marked:
-                    # Outside the signal handler: take no new work from now on.
-                    with session_scope(self.settings.db_url) as s:
-                        stop_accepting(s, self.worker_id)
-                    self._stop_marked = True
-                if time.monotonic() < next_beat:
-                    continue
-                next_beat = time.monotonic() + self.settings.heartbeat_interval_s
-                if self.watchdog.loop_stalled(time.monotonic()):
-                    # The supervision loop is stuck: stop vouching, so the reaper takes over.
-                    log.warning("worker %s: supervision loop stalled; no heartbeat", self.worker_id)
-                    continue
-                with session_scope(self.settings.db_url) as s:
-                    state = heartbeat(s, self.worker_id)
-                self.ctx.store_ok()
-                if (
-                    state in (LOST, None)
-                    and self.ctx.current_assignment is None
-                    and not self.ctx.stopping.is_set()
-                ):
-                    self._ask_register(state)
+                self.heartbeat_tick()
             except Exception as e:
                 log.warning("heartbeat failed (%s)", e)
+
+    def heartbeat_tick(self) -> None:
+        """One poll of the heartbeat thread: the stop mark, then the heartbeat when due,
+        else the warm mark if it changed."""
+        if self.ctx.stopping.is_set() and not self._stop_marked:
+            # Outside the signal handler: take no new work from now on.
+            with session_scope(self.settings.db_url) as s:
+                stop_accepting(s, self.worker_id)
+            self._stop_marked = True
+        if time.monotonic() < self._next_beat:
+            self._tell_warm()
+            return
+        self._next_beat = time.monotonic() + self.settings.heartbeat_interval_s
+        if self.watchdog.loop_stalled(time.monotonic()):
+            # The supervision loop is stuck: stop vouching, so the reaper takes over.
+            log.warning("worker %s: supervision loop stalled; no heartbeat", self.worker_id)
+            return
+        warm = self._warm_told = self.warm_now()
+        with session_scope(self.settings.db_url) as s:
+            state = heartbeat(s, self.worker_id, warm)
+        self.ctx.store_ok()
+        if (
+            state in (LOST, None)
+            and self.ctx.current_assignment is None
+            and not self.ctx.stopping.is_set()
+        ):
+            self._ask_register(state)
+
+    def _tell_warm(self) -> None:
+        """The standby became ready, or was taken or died, since the store was last told:
+        one small UPDATE now rather than a heartbeat later. Marked told before the write:
+        a store out of reach hears it with the next heartbeat, not a retry every poll."""
+        warm = self.warm_now()
+        if warm == self._warm_told:
+            return
+        self._warm_told = warm
+        with session_scope(self.settings.db_url) as s:
+            set_warm(s, self.worker_id, warm)
 
     def _ask_register(self, state: str | None) -> None:
         """Declared lost while alive (a long stall, a missed claim deadline): come back as
@@ -179,7 +217,9 @@ class WorkerNode:
                             # Never idle again: the scheduler must not hand it a new job.
                             deregister(s, self.worker_id)
                         else:
-                            release_worker(s, self.worker_id, aid)
+                            # Usually cold: the next standby has only just started.
+                            self._warm_told = warm = self.warm_now()
+                            release_worker(s, self.worker_id, aid, warm)
                 except Exception as e:  # the scheduler's reconciler frees it later
                     log.warning("could not release worker %s (%s)", self.worker_id, e)
                 wake_scheduler(self.settings)

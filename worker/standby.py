@@ -13,6 +13,12 @@ running job for its cores. A standby that died idle (OOM, killed), or was starte
 another environment, is discarded and the job starts cold. Every start is from the
 worker's main thread (the parent-death signal follows the thread that spawned), with a
 fresh interpreter: never a fork of the worker.
+
+Readiness costs nothing extra: once its imports are done the standby writes one line on
+its output (trainer/standby.py READY_LINE), which its log pump (`ReadyPump`) takes out of
+the stream until the hand-over. `ready()` is what the worker records in its row
+(`workers.warm_since`, worker/node.py) and placement prefers (scheduler/policy.py): a
+standby still importing, taken, or dead (its pipe ended) is not ready.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import logging
 import os
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +50,9 @@ log = logging.getLogger(__name__)
 PER_JOB_ENV = frozenset({"TORCHYARD_ATTEMPT"})
 CLOSE_WAIT_S = 5.0  # a standby told to stop (EOF) exits at once, or as soon as imports end
 DEFAULT_LOG_BYTES = 256 * 1024**2
+# trainer/standby.py READY_LINE (the worker never imports the trainer; a test keeps the two
+# equal): what a standby writes once its imports are done.
+READY_LINE = b"[torchyard] warm trainer ready\n"
 
 # Starts a standby: (its environment, the write end of its output pipe) -> the process.
 Starter = Callable[[dict[str, str], int], "subprocess.Popen[bytes]"]
@@ -53,6 +64,36 @@ class Handed:
 
     proc: subprocess.Popen[bytes]
     pump: LogPump
+
+
+class ReadyPump(LogPump):
+    """A standby's log pump that also watches for its ready line (taken out of the output)
+    until the hand-over, and says when the output ended (the standby is gone)."""
+
+    def __init__(self, read_fd: int, max_bytes: int):
+        self.ready = threading.Event()
+        self.ended = threading.Event()
+        self._watch = True  # off from the hand-over: a job's output is never looked into
+        self._since = time.monotonic()
+        super().__init__(read_fd, max_bytes)
+
+    def retarget(self, log_path: Path) -> None:
+        self._watch = False
+        super().retarget(log_path)
+
+    def _write(self, data: bytes) -> None:
+        if self._watch and not self.ready.is_set() and READY_LINE in data:
+            data = data.replace(READY_LINE, b"", 1)
+            self.ready.set()
+            log.info("warm trainer ready (%.1f s)", time.monotonic() - self._since)
+        if data:
+            super()._write(data)
+
+    def _run(self) -> None:
+        try:
+            super()._run()
+        finally:
+            self.ended.set()
 
 
 class WarmTrainer:
@@ -67,7 +108,7 @@ class WarmTrainer:
         self._env_for = env  # the slot's trainer environment, without the per-job part
         self._cwd = cwd or Path.cwd()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.pump: LogPump | None = None
+        self.pump: ReadyPump | None = None
         self._env: dict[str, str] = {}
         self._max_log = max_log_bytes
         self.starter: Starter = self._plain  # a launcher may set its own (the sandbox's)
@@ -109,9 +150,21 @@ class WarmTrainer:
             return
         finally:
             os.close(w)
-        self.pump = LogPump(r, self._max_log)
+        self.pump = ReadyPump(r, self._max_log)
         self._env = self.view(env)
         log.info("warm trainer %d started", self.proc.pid)
+
+    def ready(self) -> bool:
+        """A live standby has finished its imports and waits for a job. Safe from another
+        thread (the heartbeat's): it reads two references and two flags, no system call."""
+        proc, pump = self.proc, self.pump
+        return (
+            proc is not None
+            and pump is not None
+            and pump.ready.is_set()
+            and not pump.ended.is_set()
+            and proc.returncode is None
+        )
 
     def hand_over(self, go: dict[str, object], log_path: Path) -> Handed | None:
         """The standby, now running the job `go` describes with its output in `log_path`;
