@@ -66,9 +66,14 @@ class TrialOut(BaseModel):
     job_id: str | None = Field(description="null: its values made an invalid spec (see error)")
     params: dict[str, Any] = Field(description="dotted spec path -> the value tried")
     state: JobState = Field(description="its job's state (failed when it has no job)")
-    status: str = Field(description="running until decided, then complete, pruned or failed")
-    value: float | None = Field(description="the objective's newest value (final once complete)")
-    step: int | None = Field(description="the step of that value")
+    status: str = Field(
+        description="running until decided, then complete, pruned, failed or cancelled"
+    )
+    value: float | None = Field(
+        description="the objective's newest value: the final one once complete, the value at "
+        "its rung once pruned"
+    )
+    step: int | None = Field(description="the step of that value (where a pruned trial stopped)")
     pruned: bool
     error: str | None
 
@@ -93,7 +98,7 @@ class SweepSummary(BaseModel):
     seed: int
     error: str | None
     counts: dict[str, int] = Field(description="trials by status: running, complete, …")
-    best: BestOut | None = Field(description="the complete trial with the best value")
+    best: BestOut | None = Field(description="the complete trial with the best final value")
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
@@ -108,3 +113,16 @@ class SweepOut(SweepSummary):
 class SweepList(BaseModel):
     items: list[SweepSummary]
     next_cursor: str | None = Field(description="pass as ?cursor= for the next page; null: none")
+
+
+class ImportancesOut(BaseModel):
+    """GET /v1/sweeps/{id}/importances."""
+
+    importances: dict[str, float] = Field(
+        description="parameter -> its share of the objective's variance (fANOVA), summing to "
+        "1, largest first; empty when the trials cannot tell (see reason)"
+    )
+    trials: int = Field(description="the complete trials they were computed from")
+    reason: str | None = Field(
+        default=None, description="why there are none (e.g. fewer than 2 complete trials)"
+    )

@@ -1,5 +1,6 @@
-"""Create, list, show and cancel hyperparameter sweeps. A sweep's trials are ordinary jobs
-of its owner, queued by the scheduler's sweep controller (scheduler/sweeps.py).
+"""Create, list, show and cancel hyperparameter sweeps, and show their parameter importances
+(api/sweep_importance.py). A sweep's trials are ordinary jobs of its owner, queued by the
+scheduler's sweep controller (scheduler/sweeps.py).
 
 At create time the base spec and every bound and choice of the space, each value set alone
 into the base spec, are checked by the submit service's checks (scheduler/submit.py:
@@ -19,7 +20,14 @@ from starlette.concurrency import run_in_threadpool
 from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.jsonlimits import decode_body
-from torchyard.api.sweep_schemas import SweepIn, SweepList, SweepOut, input_problems
+from torchyard.api.sweep_importance import sweep_importances
+from torchyard.api.sweep_schemas import (
+    ImportancesOut,
+    SweepIn,
+    SweepList,
+    SweepOut,
+    input_problems,
+)
 from torchyard.broker import app as broker
 from torchyard.contracts import spec as job_spec
 from torchyard.contracts.specerrors import MAX_LISTED, without_excess_unknown
@@ -228,6 +236,35 @@ def list_sweeps_route(
 )
 def get_sweep_route(sweep_id: str, user: CurrentUser, session: ReadSessionDep) -> SweepOut:
     return _out(session, user, sweep_id)
+
+
+def _importances(
+    factory: sessionmaker[Session], db_url: str, user: Principal, sweep_id: str
+) -> ImportancesOut:
+    """Blocking: a worker thread's. The session is closed before Optuna's reads start."""
+    with factory() as session:
+        if get_sweep(session, user.viewer, sweep_id) is None:
+            raise not_found("sweep")
+    found = sweep_importances(db_url, sweep_id)
+    return ImportancesOut(importances=found.importances, trials=found.trials, reason=found.reason)
+
+
+@router.get(
+    "/{sweep_id}/importances",
+    response_model=ImportancesOut,
+    summary="Parameter importances",
+    description="How much of the objective's variance each parameter explains, over the "
+    "complete trials (Optuna's fANOVA, seeded: the same trials give the same fractions). "
+    "With fewer than 2 complete trials, or trials that do not differ, `importances` is "
+    "empty and `reason` says why.",
+    responses=responses(401, 404, 503),
+)
+async def importances_route(
+    sweep_id: str, request: Request, user: CurrentUser, settings: SettingsDep
+) -> ImportancesOut:
+    # Optuna's reads and the forest's fit take up to seconds: off the event loop.
+    factory = request.app.state.read_sessions
+    return await run_in_threadpool(_importances, factory, settings.db_url, user, sweep_id)
 
 
 @router.post(

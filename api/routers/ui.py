@@ -41,7 +41,8 @@ from torchyard.store.uisessions import (
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 # The page's own paths (the page routes them itself); everything else stays the API's.
-PAGES = ("/", "/login", "/workers", "/submit", "/compare", "/jobs/{job_id}")
+PAGES = ("/", "/login", "/workers", "/submit", "/compare", "/jobs/{job_id}", "/sweeps",
+         "/sweeps/{sweep_id}")  # fmt: skip
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; font-src 'self'; manifest-src 'self'; base-uri 'none'; "

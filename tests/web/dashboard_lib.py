@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "worker"))
 
+import pytest
 from worker_cluster import ROOT, Cluster, wait_for
+
+T = TypeVar("T")
+# A module's world runs on each: SQLite, and PostgreSQL where the shared server is up.
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
 def start_api(c: Cluster) -> Cluster:
@@ -38,3 +44,23 @@ def login(page: Any, base: str, token: str, path: str = "/") -> None:
     page.fill("#token", token)
     page.click("button[type=submit]")
     page.wait_for_selector("body[data-user]")
+
+
+def backend_world(
+    request: Any, tmp_path_factory: Any, name: str, make: Callable[[Cluster], T]
+) -> Iterator[T]:
+    """A module's world on its database backend (request.param: sqlite, or postgres, a fresh
+    database on the shared server dropped after): an API over a cluster, seeded by `make`."""
+    url = None
+    if request.param == "postgres":
+        from worker_factories import drop_pg_databases, new_pg_database
+
+        new_db = new_pg_database(request.getfixturevalue("pg_url"))
+        request.addfinalizer(lambda: drop_pg_databases(new_db))
+        url = new_db()
+    c = Cluster(tmp_path_factory.mktemp(f"{name}-{request.param}"), database_url=url)
+    try:
+        start_api(c)
+        yield make(c)
+    finally:
+        c.stop()

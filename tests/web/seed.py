@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from pydantic import TypeAdapter
 from specs import digits_spec
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
+from torchyard.scheduler.space import Space, distributions, with_params
+from torchyard.store.db import session_scope
 from torchyard.store.jobs import create_job
 from torchyard.store.metrics import ingest_metrics
-from torchyard.store.models import Job, User, utcnow
+from torchyard.store.models import Job, Sweep, SweepTrial, User, utcnow
 from torchyard.store.states import transition
+from torchyard.store.sweeps import optuna_storage
 
 SPEC: dict[str, Any] = digits_spec(epochs=3)
 BATCH = 50_000
@@ -80,3 +85,78 @@ def user_id(session: Session, name: str) -> int:
     uid = get_or_create_user(session, name).id
     assert isinstance(uid, int) and session.get(User, uid) is not None
     return uid
+
+
+# --- sweeps ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeedTrial:
+    """A trial as the sweep controller leaves it: `outcome` None while it runs; `points`
+    the objective's curve (step, value); `value` what the controller recorded (the last
+    point reported: a complete trial's final value, a pruned one's at its rung)."""
+
+    params: dict[str, Any]
+    job_state: str
+    outcome: str | None
+    points: list[tuple[int, float]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def value(self) -> float | None:
+        return self.points[-1][1] if self.points else None
+
+
+_JOB_PATHS = {"running": ["starting", "running"], "succeeded": ["starting", "running", "succeeded"],
+              "failed": ["starting", "running", "failed"], "cancelled": ["cancelled"]}  # fmt: skip
+
+
+def sweep_trials(session: Session, sweep_id: str, trials: list[SeedTrial]) -> list[str]:
+    """Each trial's job (the sweep's spec with its values, driven to `job_state`), its
+    objective's points and its row, numbered 0, 1, …; their job ids."""
+    sweep = session.get(Sweep, sweep_id)
+    assert sweep is not None
+    ids = []
+    for number, t in enumerate(trials):
+        name = f"{sweep.name}-{number}"
+        spec = {**with_params(sweep.spec, t.params), "name": name}
+        job, _ = create_job(session, sweep.owner_id, spec, name=name)
+        job.sweep_id = sweep_id
+        for to in _JOB_PATHS[t.job_state]:
+            transition(session, job, to, reason="seeded")
+        rows = [{"name": sweep.metric, "step": k, "value": v, "time": 0.0} for k, v in t.points]
+        if rows:
+            ingest_metrics(session, job.id, rows)
+        session.add(SweepTrial(
+            sweep_id=sweep_id, number=number, job_id=job.id, params=t.params, outcome=t.outcome,
+            value=t.value, last_step=t.points[-1][0] if t.points else None, error=t.error,
+            finished_at=utcnow() if t.outcome else None,
+        ))  # fmt: skip
+        ids.append(job.id)
+    session.flush()
+    return ids
+
+
+def sweep_study(db_url: str, sweep_id: str, trials: list[SeedTrial]) -> None:
+    """The sweep's Optuna study with the same trials (numbered alike), as the controller
+    would have told it: what the importances are computed from."""
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    with session_scope(db_url) as s:
+        sweep = s.get(Sweep, sweep_id)
+        assert sweep is not None
+        space, mode = TypeAdapter(Space).validate_python(sweep.space), sweep.mode
+    storage = optuna_storage(db_url)
+    study = optuna.create_study(study_name=sweep_id, storage=storage,
+                                direction="maximize" if mode == "max" else "minimize")  # fmt: skip
+    states = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL,
+              None: TrialState.RUNNING}  # fmt: skip
+    for t in trials:
+        state = states[t.outcome]
+        study.add_trial(create_trial(
+            params=t.params, distributions=distributions(space), state=state,
+            value=t.value if state == TrialState.COMPLETE else None,
+            intermediate_values=dict(t.points) if state != TrialState.FAIL else None,
+        ))  # fmt: skip
+    storage.engine.dispose()

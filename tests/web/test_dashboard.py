@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import pytest
-from dashboard_lib import login, start_api, token_for
+from dashboard_lib import BACKENDS, backend_world, login, token_for
 from seed import SPEC, finished_job, long_curve_job, loss_curve, many_jobs, user_id
 from worker_cluster import ROOT, Cluster
 
@@ -49,7 +49,7 @@ class World:
         return httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {token}"}, timeout=30)  # fmt: skip
 
 
-def _seed(w: World) -> None:
+def _seed(w: World) -> World:
     with w.c.session() as s:
         alice, bob, carol = user_id(s, "alice"), user_id(s, "bob"), user_id(s, "carol")
         many_jobs(s, carol, 10_000)
@@ -68,6 +68,7 @@ def _seed(w: World) -> None:
     log = job_dir(w.c.storage, w.jobs["xss"]) / LOG_FILE
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(f"epoch 1\n{XSS}\nlast line\n")
+    return w
 
 
 def _seed_rough_edges(w: World) -> None:
@@ -94,27 +95,11 @@ def _seed_rough_edges(w: World) -> None:
             w.jobs[name] = job.id
 
 
-@pytest.fixture(
-    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-)
+@pytest.fixture(scope="module", params=BACKENDS)
 def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
-    url = None
-    if request.param == "postgres":  # a fresh database on the shared server, dropped after
-        from worker_factories import drop_pg_databases, new_pg_database
-
-        make = new_pg_database(request.getfixturevalue("pg_url"))
-        request.addfinalizer(lambda: drop_pg_databases(make))
-        url = make()
-    c = Cluster(tmp_path_factory.mktemp(f"dashboard-{request.param}"), database_url=url)
-    try:
-        start_api(c)
-        w = World(c)
-        _seed(w)
-        yield w
-    finally:
-        c.stop()
+    yield from backend_world(request, tmp_path_factory, "dashboard", lambda c: _seed(World(c)))
 
 
 def _no_secrets_kept(page: Any) -> None:

@@ -98,8 +98,9 @@ function normalize(s) {
 }
 
 export class MetricChart {
-  // sources: [{job, name, label, color, dash?, title?}]; one curve (with its band) each;
-  // `title`: the full label, where `label` is a short one.
+  // sources: [{job, name, label, color, dash?, title?, width?, alpha?}]; one curve (with
+  // its band) each; `title`: the full label, where `label` is a short one; `width` (px)
+  // and `alpha` (0–1) set one curve apart: a sweep's best trial, its pruned ones.
   constructor(el, { title, sources }) {
     this.el = el;
     this.sources = sources;
@@ -124,7 +125,7 @@ export class MetricChart {
         this.stepEl),
       this.plotEl, this.legendEl);
     this.legendValues = sources.map((s) => h("span", { class: "legend-value" }));
-    replace(this.legendEl, sources.map((s, i) => h("span", { class: "legend-item", title: s.title || s.label },
+    replace(this.legendEl, sources.map((s, i) => h("span", { class: s.alpha < 1 ? "legend-item dim" : "legend-item", title: s.title || s.label },
       swatch(s.color, s.dash), h("span", { class: "legend-label" }, s.label), this.legendValues[i])));
     this.redraw = throttle(() => this.draw(), 250);
     this.reloadSoon = throttle(() => this.load().catch(() => {}), 3000);
@@ -223,11 +224,12 @@ export class MetricChart {
     const bands = [];
     this.sources.forEach((s, i) => {
       const base = 1 + 3 * i;
-      series.push({ label: s.label, stroke: s.color, width: 1.5, spanGaps: true, ...(s.dash ? { dash: s.dash } : {}) });
+      const a = s.alpha ?? 1; // a dimmed curve (a pruned trial) is drawn see-through
+      series.push({ label: s.label, stroke: a < 1 ? rgba(s.color, a) : s.color, width: s.width || 1.5, spanGaps: true, ...(s.dash ? { dash: s.dash } : {}) });
       for (const edge of ["min", "max"]) {
-        series.push({ label: `${s.label} ${edge}`, stroke: rgba(s.color, 0.45), width: 1, spanGaps: true, points: { show: false } });
+        series.push({ label: `${s.label} ${edge}`, stroke: rgba(s.color, 0.45 * a), width: 1, spanGaps: true, points: { show: false } });
       }
-      bands.push({ series: [base + 2, base + 1], fill: rgba(s.color, 0.15) });
+      bands.push({ series: [base + 2, base + 1], fill: rgba(s.color, 0.15 * a) });
     });
     return {
       width: this.width(),

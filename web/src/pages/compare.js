@@ -63,8 +63,9 @@ export async function comparePage(root, { search, navigate }) {
   const ids = (search.get("jobs") || "").split(",").filter((x) => /^[0-9a-f]{1,64}$/.test(x));
   const sweep = search.get("sweep");
   let runs = []; // {id, name, params (flat, JSON values), job}
+  let s = null; // the sweep, when its trials are compared
   if (sweep) {
-    const s = await api(`/v1/sweeps/${encodeURIComponent(sweep)}`);
+    s = await api(`/v1/sweeps/${encodeURIComponent(sweep)}`);
     runs = s.trials.filter((t) => t.job_id).map((t) => ({ id: t.job_id, params: Object.fromEntries(Object.entries(t.params).map(([k, v]) => [k, JSON.stringify(v)])) }));
   } else {
     runs = ids.map((id) => ({ id, params: null }));
@@ -96,6 +97,8 @@ export async function comparePage(root, { search, navigate }) {
   } }, names.map((n) => h("option", { value: n, selected: n === metric }, n)));
   const chartEl = h("div", { class: "chart", id: "compare-chart" });
   const row = (r, i) => {
+    // The run's last point (its final value), never the curve's best: for a sweep's
+    // complete trials it is their `value`, so the largest here is the sweep's best.
     const last = r.job.latest_metrics[metric];
     return h("tr", { dataset: { id: r.id } }, h("td", {}, swatch(color(i), dash(i))), h("td", {}, link(`/jobs/${r.id}`, r.name)), h("td", {}, stateBadge(r.job.state)),
       h("td", { class: "small mono differs", title: diffs[i].full.join(", ") || null }, diffs[i].short.join(", ") || "–"),
@@ -103,7 +106,7 @@ export async function comparePage(root, { search, navigate }) {
   };
   const tbody = h("tbody", {}, runs.map(row));
   replace(root,
-    h("div", { class: "toolbar" }, h("h2", {}, sweep ? `Sweep ${sweep.slice(0, 12)}` : `${runs.length} runs`), h("label", {}, "metric ", select)),
+    h("div", { class: "toolbar" }, h("h2", {}, s ? ["Sweep ", link(`/sweeps/${s.id}`, s.name)] : `${runs.length} runs`), h("label", {}, "metric ", select)),
     missing.length ? h("p", { class: "error" }, `Not found: ${missing.join(", ")}`) : null,
     chartEl,
     h("table", { id: "runs" },
