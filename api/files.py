@@ -11,11 +11,13 @@ never reopened by name, so a link swapped in after the check is never what is se
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import stat
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Generator
 from email.utils import formatdate
 from typing import Any, BinaryIO
 
@@ -104,7 +106,48 @@ def file_response(
     )
 
 
-def _blocks(f: BinaryIO, length: int) -> Iterator[bytes]:
+READ_AHEAD = 4  # blocks read from the store ahead of the client (4 MiB a download at most)
+
+
+async def _read_ahead(f: BinaryIO, length: int) -> AsyncIterator[bytes]:
+    """`_blocks`, read by a thread of its own at most READ_AHEAD blocks ahead of the sends:
+    the store's reads and the client's writes overlap instead of taking turns. The thread
+    stops within a block once the response is closed (a client gone). No task group spans
+    the yields: the generator may be closed from another task (asyncio's finaliser)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+    slots, stop = threading.Semaphore(READ_AHEAD), threading.Event()
+
+    def hand(item: bytes | BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
+            loop.call_soon_threadsafe(ready.put_nowait, item)
+
+    def produce() -> None:
+        blocks = _blocks(f, length)
+        try:
+            while slots.acquire() and not stop.is_set():
+                block = next(blocks, None)
+                hand(block)
+                if block is None:
+                    return
+        except BaseException as e:  # the store failed mid-stream: the response is cut short
+            hand(e)
+        finally:
+            blocks.close()  # closes f
+
+    threading.Thread(target=produce, name="download-read-ahead", daemon=True).start()
+    try:
+        while (item := await ready.get()) is not None:
+            slots.release()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        slots.release()
+
+
+def _blocks(f: BinaryIO, length: int) -> Generator[bytes, None, None]:
     """`length` bytes of the open stream `f`, in `_Download.chunk_size` blocks (read in a
     worker thread by StreamingResponse), then closed; a shorter object ends the body early."""
     with f:
@@ -161,7 +204,7 @@ def stored_response(
     # Opened before the response starts: an object gone by now is still a clean 404.
     body = storage.open_read(key, start, end - start)
     return StreamingResponse(
-        _blocks(body, end - start),
+        _read_ahead(body, end - start),
         status_code=status,
         headers=headers,
         media_type="application/octet-stream",

@@ -6,7 +6,11 @@ with a presigned URL instead, and the SDK resumes through it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import io
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from liveserver import live_server
 from torchyard_testdb import Factory
 
 import torchyard.api.routers.checkpoints as route
+from torchyard.api import files
 from torchyard.settings import Settings
 from torchyard.storage import Storage, job_key, storage_for
 from torchyard.storage.memory import MemoryStorage
@@ -192,3 +197,60 @@ def test_a_redirect_goes_to_the_store_and_the_sdk_resumes_through_it(
         sdk = Client(f"http://127.0.0.1:{port}", token=alice["Authorization"].split()[1])
         got = sdk.download(job, cid, tmp_path / "w.pt")
     assert got.path.read_bytes() == PAYLOAD and got.sha256 == sha and got.resumed_from == 4000
+
+
+class _Stream(io.RawIOBase):
+    """A store's body: `blocks` blocks of 1 MiB, counted as read; fails at `fail_at`."""
+
+    def __init__(self, blocks: int, fail_at: int | None = None) -> None:
+        self.left, self.reads, self.fail_at = blocks, 0, fail_at
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        if self.reads == self.fail_at:
+            raise OSError("the store went away")
+        if self.left == 0:
+            return b""
+        self.left, self.reads = self.left - 1, self.reads + 1
+        return bytes([self.reads % 256]) * (1 << 20)
+
+
+def _collect(stream: _Stream, length: int, take: int | None = None) -> list[bytes]:
+    async def go() -> list[bytes]:
+        got: list[bytes] = []
+        gen = files._read_ahead(stream, length)  # type: ignore[arg-type]
+        try:
+            async for block in gen:
+                got.append(block)
+                if take is not None and len(got) == take:
+                    break
+        finally:
+            await gen.aclose()
+        return got
+
+    return asyncio.run(go())
+
+
+def test_read_ahead_sends_every_block_in_order_and_closes_the_store_body() -> None:
+    s = _Stream(10)
+    got = _collect(s, 10 << 20)
+    assert [b[0] for b in got] == list(range(1, 11)) and s.closed
+
+
+def test_a_client_gone_stops_the_reads_within_the_read_ahead() -> None:
+    s = _Stream(1000)
+    assert len(_collect(s, 1000 << 20, take=2)) == 2
+    deadline = time.monotonic() + 5
+    while not s.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.closed and s.reads <= 2 + files.READ_AHEAD + 1  # not the 1000 blocks
+    assert not [t for t in threading.enumerate() if t.name == "download-read-ahead"]
+
+
+def test_a_store_failing_mid_stream_cuts_the_response_after_what_was_read() -> None:
+    s = _Stream(10, fail_at=3)
+    with pytest.raises(OSError, match="the store went away"):
+        _collect(s, 10 << 20)
+    assert s.closed
