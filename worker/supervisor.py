@@ -114,7 +114,6 @@ from torchyard.worker.standby import WarmTrainer
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # event tail and process poll
-HOLD_MAX = 50_000  # events held in memory while a checkpoint upload delays the batch
 STATE_POLL_S = 0.5  # job/attempt state in the store (cancel seen well within 2 s)
 FLUSH_S = 0.5
 FLUSH_EVENTS = 500
@@ -533,16 +532,22 @@ class Supervision:
             now = time.monotonic()
             self.ctx.loop_beat = now
             rc = trainer.poll()
-            # While an upload holds the batch, a bounded number of events wait in memory;
-            # the rest wait in the events file.
-            if rank0 and not (self.recorder.waiting_upload and self.recorder.pending >= HOLD_MAX):
+            # While an upload holds the batch, later events wait in the events file: read,
+            # a newer checkpoint would supersede the one going up, and a trainer that
+            # checkpoints faster than the store takes them would keep every batch (its
+            # metrics and progress too) waiting until it ends. The held batch is retried
+            # every poll, so it commits as soon as its checkpoint is durable.
+            waiting = self.recorder.waiting_upload
+            if rank0 and not waiting:
                 self.recorder.add_all(self.tail, limit=TAIL_BATCH)
             if rank0 and self.recorder.rungs and (pruned_at := self._at_rungs()) is not None:
                 kill_at = pruned_at
             if (
                 rank0
                 and self.recorder.pending
-                and (now - last_flush >= FLUSH_S or self.recorder.pending >= FLUSH_EVENTS)
+                and (
+                    waiting or now - last_flush >= FLUSH_S or self.recorder.pending >= FLUSH_EVENTS
+                )
             ):
                 self._flush()
                 last_flush = now

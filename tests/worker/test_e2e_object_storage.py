@@ -30,14 +30,16 @@ from worker_cluster import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.redis]
 
-# A few seconds of training on one CPU thread (400 steps: long enough to be killed well
-# before its end), a resume checkpoint every 30 steps.
+# A few seconds of training (1000 steps: long enough to be killed well before its end), a
+# resume checkpoint every 30 steps.
 LONG: dict[str, Any] = {
     "model": {"name": "mlp", "hidden": [512, 512]},
     "data": {"name": "synthetic", "shape": [1, 28, 28], "size": 8000, "num_classes": 10},
     "optimizer": {"name": "sgd", "lr": 0.02},
     "batch_size": 32,
-    "epochs": 2,
+    # A trainer exits within ~50 ms of its last step: the run must go on well after its
+    # checkpoint at step 60 is recorded (uploaded first) for the host-kill test.
+    "epochs": 5,
     "checkpoint": {"every_steps": 30, "every_epochs": None, "keep_last": 2},
     "log_every_steps": 5,
     "seed": 7,
@@ -147,10 +149,10 @@ def test_a_host_killed_mid_run_resumes_on_another_bitwise_equal(
 ) -> None:
     c = hosts.c
     job = c.submit(LONG)
+    trainer = trainer_pid(c, job["id"])  # now: the run may be near its end by step 60
     wait_for(lambda: checkpointed_and_running(c, job["id"], 60), 120, "a checkpoint at step 60")
     victim = running_worker(c, job["id"])
     assert victim == "a"
-    trainer = trainer_pid(c, job["id"])
     c.kill("a", signal.SIGKILL)
     wait_for(lambda: not pid_alive(trainer), 10, "the orphaned trainer to die")
     hosts.start("b")  # another host, another cache: it has none of the job's files
@@ -160,8 +162,12 @@ def test_a_host_killed_mid_run_resumes_on_another_bitwise_equal(
     log = _log(c, job["id"])
     assert "attempt 1, rank 0/1, worker a" in log and "attempt 2, rank 0/1, worker b" in log
     picked = log.split("resuming from ", 1)[1].split(" =====", 1)[0]
-    # B fetched the checkpoint A picked into its own cache (and checked its sha256).
-    assert (hosts.cache("b") / "jobs" / job["id"] / picked).is_file()
+    # B fetched the checkpoint A picked into its own cache (and checked its sha256); its
+    # trainer then went on and keep_last has pruned that file there by the end.
+    assert (
+        picked.startswith("checkpoints/step-") and (hosts.cache("b") / "jobs" / job["id"]).is_dir()
+    )
+    assert int(picked.split("-")[-1].split(".")[0]) < done["progress"]["total_steps"] - 60
     weights = _weights(hosts, job["id"])
     assert weights.keys() == reference.keys()
     assert all(torch.equal(weights[k], reference[k]) for k in weights)

@@ -42,7 +42,9 @@ LONG: dict[str, Any] = {
     "data": {"name": "synthetic", "shape": [1, 28, 28], "size": 6400, "num_workers": 0},
     "optimizer": {"name": "sgd", "lr": 0.02},
     "batch_size": 32,
-    "epochs": 4,
+    # 2000 steps, ~7 s: the victim and the reference still run when the urgent job comes
+    # (one of them may have started cold, ~3 s after the other).
+    "epochs": 10,
     "checkpoint": {"every_steps": 40, "every_epochs": None, "keep_last": 2},
     "log_every_steps": 1,
     "eval_every_epochs": 0,
@@ -131,10 +133,16 @@ def test_a_preempted_job_resumes_bitwise_and_says_who_preempted_it(
 ) -> None:
     c, bob = cluster, users["bob"]
     c.wait_workers(2)
-    # The reference may not be preempted, so the victim is the only candidate.
-    reference = submit(bob, {**LONG, "preemptible": False}, "reference")
+    # The reference may not be preempted, so the victim is the only candidate. It starts
+    # second, so it is still running when the urgent job comes (had it finished first, the
+    # urgent job would take its worker and preempt no one).
     victim = submit(bob, LONG, "victim")
-    wait_for(lambda: checkpointed_and_running(c, victim, 40), 180, "a checkpoint at 40")
+    reference = submit(bob, {**LONG, "preemptible": False}, "reference")
+    wait_for(
+        lambda: checkpointed_and_running(c, victim, 40) and c.job(reference)["state"] == "running",
+        180,
+        "a checkpoint at 40 and the reference running",
+    )
     urgent = c.submit({**SHORT, "name": "urgent", "priority": 5})["id"]
     c.wait_state(urgent, "succeeded", timeout=120)
     done = c.wait_state(victim, "succeeded", timeout=240)
