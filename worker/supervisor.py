@@ -532,25 +532,9 @@ class Supervision:
             now = time.monotonic()
             self.ctx.loop_beat = now
             rc = trainer.poll()
-            # While an upload holds the batch, later events wait in the events file: read,
-            # a newer checkpoint would supersede the one going up, and a trainer that
-            # checkpoints faster than the store takes them would keep every batch (its
-            # metrics and progress too) waiting until it ends. The held batch is retried
-            # every poll, so it commits as soon as its checkpoint is durable.
-            waiting = self.recorder.waiting_upload
-            if rank0 and not waiting:
-                self.recorder.add_all(self.tail, limit=TAIL_BATCH)
-            if rank0 and self.recorder.rungs and (pruned_at := self._at_rungs()) is not None:
-                kill_at = pruned_at
-            if (
-                rank0
-                and self.recorder.pending
-                and (
-                    waiting or now - last_flush >= FLUSH_S or self.recorder.pending >= FLUSH_EVENTS
-                )
-            ):
-                self._flush()
-                last_flush = now
+            if rank0:
+                last_flush, pruned_at = self._take_events(now, last_flush)
+                kill_at = pruned_at if pruned_at is not None else kill_at
             if rc is not None:
                 break
             if self.stop_why is None and not self.fenced and now - last_poll >= STATE_POLL_S:
@@ -581,6 +565,27 @@ class Supervision:
             finally:
                 self.tail.close()
         return rc
+
+    def _take_events(self, now: float, last_flush: float) -> tuple[float, float | None]:
+        """Rank 0, each poll: read the trainer's new events, answer a rung, flush when due.
+        Returns (when it last flushed, the kill time of a trial just pruned or None).
+
+        While an upload holds the batch, later events wait in the events file: read, a
+        newer checkpoint would supersede the one going up, and a trainer that checkpoints
+        faster than the store takes them would keep every batch (its metrics and progress
+        too) waiting until it ends. The held batch is retried every poll, so it commits as
+        soon as its checkpoint is durable."""
+        rec, pruned_at = self.recorder, None
+        waiting = rec.waiting_upload
+        if not waiting:
+            rec.add_all(self.tail, limit=TAIL_BATCH)
+        if rec.rungs:
+            pruned_at = self._at_rungs()
+        due = waiting or now - last_flush >= FLUSH_S or rec.pending >= FLUSH_EVENTS
+        if rec.pending and due:
+            self._flush()
+            last_flush = now
+        return last_flush, pruned_at
 
     def _flush_or_raise(self) -> None:
         try:
