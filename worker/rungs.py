@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from torchyard.contracts.eventmodel import RungEvent
 from torchyard.contracts.rungs import PLAN_FILE, RungPlan, RungVerdict, verdict_file
 from torchyard.store.pruning import Pruning, objective_points, rung_plan
+from torchyard.worker.events import Tx
 from torchyard.worker.runfiles import remove_run_files, write_run_file
 
 log = logging.getLogger(__name__)
 
 ASK_AGAIN_S = 0.5  # after the store failed to answer; the trainer waits meanwhile
-
-Tx = Callable[[Callable[[Any], Any]], Any]
 
 
 @dataclass

@@ -116,3 +116,20 @@ export function throttle(fn, ms) {
   wrapped.cancel = () => { clearTimeout(timer); timer = null; };
   return wrapped;
 }
+
+// The cancel confirmation of the job and sweep pages: `question` (nodes) with "Keep running"
+// and `label`; on confirm POST `path`, show an error in `errorsIn`, then `after()`.
+export function confirmCancel(dialog, { question, label, path, errorsIn, after, post }) {
+  replace(dialog,
+    h("form", { method: "dialog" },
+      h("p", {}, ...question),
+      h("div", { class: "buttons" },
+        h("button", { value: "keep", id: "keep-running" }, "Keep running"),
+        h("button", { value: "cancel", class: "danger", id: "confirm" }, label))));
+  dialog.onclose = async () => {
+    if (dialog.returnValue !== "cancel") return;
+    try { await post(path); } catch (e) { errorsIn.append(h("span", { class: "error-text" }, e.message)); }
+    after();
+  };
+  dialog.showModal();
+}

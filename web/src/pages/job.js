@@ -3,7 +3,7 @@
 // their download links, Cancel, and the spec. Live through the job's own event stream.
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, metricGroups } from "../chart.js";
-import { fmtBytes, fmtDuration, fmtTime, h, link, pendingText, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
+import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { ATTEMPT, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 
 const LOG_TAIL = 256 * 1024;
@@ -145,18 +145,11 @@ export async function jobPage(root, { params }) {
   }
 
   function confirmCancel() {
-    replace(dialog,
-      h("form", { method: "dialog" },
-        h("p", {}, "Cancel ", h("strong", {}, job.name), "? A running trainer checkpoints and stops."),
-        h("div", { class: "buttons" },
-          h("button", { value: "keep", id: "keep-running" }, "Keep running"),
-          h("button", { value: "cancel", class: "danger", id: "confirm" }, "Cancel job"))));
-    dialog.onclose = async () => {
-      if (dialog.returnValue !== "cancel") return;
-      try { await api(jobPath(id) + "/cancel", { method: "POST" }); } catch (e) { parts.head.append(h("span", { class: "error-text" }, e.message)); }
-      refreshJob();
-    };
-    dialog.showModal();
+    confirmCancelDialog(dialog, {
+      question: ["Cancel ", h("strong", {}, job.name), "? A running trainer checkpoints and stops."],
+      label: "Cancel job", path: jobPath(id) + "/cancel", errorsIn: parts.head, after: refreshJob,
+      post: (path) => api(path, { method: "POST" }),
+    });
   }
 
   const quietly = (fn) => () => fn().catch(() => {});

@@ -6,7 +6,7 @@
 // sweep or any of its trials runs (followLive).
 import { api, query } from "../api.js";
 import { MetricChart, color, swatch } from "../chart.js";
-import { fmtNum, fmtTime, h, link, replace, stateBadge } from "../dom.js";
+import { confirmCancel as confirmCancelDialog, fmtNum, fmtTime, h, link, replace, stateBadge } from "../dom.js";
 import { parallelCoords } from "../parcoords.js";
 import { JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 import { shortValue } from "./compare.js";
@@ -150,18 +150,11 @@ export async function sweepPage(root, { params }) {
   }
 
   function confirmCancel() {
-    replace(dialog,
-      h("form", { method: "dialog" },
-        h("p", {}, "Cancel the sweep ", h("strong", {}, s.name), "? No new trial starts; queued trials are cancelled and running ones stop (their checkpoints are kept)."),
-        h("div", { class: "buttons" },
-          h("button", { value: "keep", id: "keep-running" }, "Keep running"),
-          h("button", { value: "cancel", class: "danger", id: "confirm" }, "Cancel sweep"))));
-    dialog.onclose = async () => {
-      if (dialog.returnValue !== "cancel") return;
-      try { await api(sweepPath(id) + "/cancel", { method: "POST" }); } catch (e) { parts.head.append(h("span", { class: "error-text" }, e.message)); }
-      refresh().catch(() => {});
-    };
-    dialog.showModal();
+    confirmCancelDialog(dialog, {
+      question: ["Cancel the sweep ", h("strong", {}, s.name), "? No new trial starts; queued trials are cancelled and running ones stop (their checkpoints are kept)."],
+      label: "Cancel sweep", path: sweepPath(id) + "/cancel", errorsIn: parts.head,
+      after: () => refresh().catch(() => {}), post: (path) => api(path, { method: "POST" }),
+    });
   }
 
   render();
