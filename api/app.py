@@ -23,13 +23,16 @@ from torchyard.api.fanout import FeedHub, stored_log_size
 from torchyard.api.jsonlimits import JsonDepthLimit
 from torchyard.api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
 from torchyard.api.routers import (
+    audit,
     bundles,
     checkpoints,
     health,
     job_data,
+    job_edits,
     job_events,
     jobs,
     meta,
+    projects,
     queue,
     sweeps,
     tokens,
@@ -170,8 +173,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     # The dashboard (ui: its page and logins, ui_jobs: its table) last: its page paths
     # never shadow an API route.
-    routers = (jobs, job_data, job_events, checkpoints, bundles, workers, users, queue, health,
-               meta, sweeps, tokens, ui_jobs, ui)  # fmt: skip
+    routers = (jobs, job_edits, job_data, job_events, checkpoints, bundles, workers, users, queue,
+               health, meta, sweeps, tokens, audit, projects, ui_jobs, ui)  # fmt: skip
     for module in routers:
         app.include_router(module.router)
     if settings.api_docs:

@@ -34,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 
 from torchyard.api.errors import ApiError
 from torchyard.settings import Settings
+from torchyard.store.audit import Actor
 from torchyard.store.auth import hash_token, user_for_token
 from torchyard.store.jobs import Viewer
 from torchyard.store.uisessions import csrf_token, user_for_session
@@ -240,6 +241,25 @@ async def admin_user(user: Annotated[Principal, Depends(current_user)]) -> Princ
     return user
 
 
+def client_address(request: Request) -> str | None:
+    """The peer's address as the audit trail records it. Behind a proxy this is the
+    proxy's unless the server runs with --proxy-headers (uvicorn then sets it from
+    X-Forwarded-For for the proxies it trusts); a header is never read here, so a client
+    cannot write someone else's address into the trail."""
+    return request.client.host if request.client else None
+
+
+def actor_of(request: Request, user: Principal) -> Actor:
+    """The audit trail's view of the caller."""
+    return Actor(user.id, user.name, client_address(request))
+
+
+async def current_actor(
+    request: Request, user: Annotated[Principal, Depends(current_user)]
+) -> Actor:
+    return actor_of(request, user)
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 # scope="function": the session is closed when the route returns, before the response is
 # sent, so a slow or stalled client never holds a connection or a transaction.
@@ -247,3 +267,4 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 CurrentUser = Annotated[Principal, Depends(current_user)]
 AdminUser = Annotated[Principal, Depends(admin_user)]
+CurrentActor = Annotated[Actor, Depends(current_actor)]

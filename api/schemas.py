@@ -78,6 +78,12 @@ class JobSummary(_Out):
     max_restarts: int
     cancel_requested: bool
     owner: str
+    project: str | None = Field(description="the project it belongs to (`~<user>`: personal)")
+    tags: list[str] = Field(description="set at submit or by PATCH; filter with ?tag=")
+    notes: str | None
+    archived: bool = Field(description="hidden from default lists (POST .../archive)")
+    archived_at: datetime | None
+    rerun_of: str | None = Field(description="the job this one re-runs, if any")
 
 
 class JobOut(JobSummary):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,15 +69,23 @@ def _slots(app: FastAPI) -> StreamSlots:
     return slots
 
 
+Visible = Callable[[], Awaitable[bool]]
+
+
 def guarded_stream(
-    request: Request, user: Principal, source: AsyncIterator[bytes]
+    request: Request,
+    user: Principal,
+    source: AsyncIterator[bytes],
+    still_visible: Visible | None = None,
 ) -> AsyncIterator[bytes]:
     """`source`'s frames, within the user's stream cap (429 raised here, before the
-    response starts) and for as long as the request's credential stands."""
+    response starts) and for as long as the request's credential stands and, with
+    `still_visible`, what it streams is still the user's to see (a role taken away in its
+    project ends the stream at the next check)."""
     state = request.app.state
     give_back = _slots(request.app).take(user.id, state.settings.max_streams_per_user)
     every_s = float(getattr(state, "stream_recheck_s", RECHECK_S))
-    stream = _guarded(request, user, source, give_back, every_s)
+    stream = _guarded(request, user, source, give_back, every_s, still_visible)
     weakref.finalize(stream, give_back)  # never iterated: nothing else would run
     return stream
 
@@ -92,6 +100,7 @@ async def _guarded(
     source: AsyncIterator[bytes],
     give_back: Callable[[], None],
     every_s: float,
+    still_visible: Visible | None = None,
 ) -> AsyncIterator[bytes]:
     """The frames of `source`, read in a task of their own so that an idle stream (no
     event for minutes) still checks its credential every `every_s`; ends when the
@@ -114,10 +123,20 @@ async def _guarded(
             if loop.time() >= due:
                 if not await still_authorized(request, user):
                     return  # revoked or logged out: a reconnect gets 401
+                if still_visible is not None and not await _visible(still_visible):
+                    return  # no longer in the project: a reconnect gets 404
                 due = loop.time() + every_s
     finally:
         give_back()
         await _close(pending, source)
+
+
+async def _visible(check: Visible) -> bool:
+    """A store that cannot answer ends nothing (as for the credential)."""
+    try:
+        return await check()
+    except Exception:
+        return True
 
 
 async def _close(pending: asyncio.Task[Any] | None, source: AsyncIterator[bytes]) -> None:

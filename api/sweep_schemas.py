@@ -89,6 +89,7 @@ class SweepSummary(BaseModel):
     id: str
     name: str
     owner: str
+    project: str | None = Field(default=None, description="the project its trials run in")
     state: str = Field(description="running, succeeded, failed, cancelled")
     objective: Objective
     max_trials: int = Field(description="trials to run in all")

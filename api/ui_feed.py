@@ -29,6 +29,7 @@ from torchyard.store.uijobs import (
     ChangeState,
     changes_since,
     changes_start,
+    memberships,
     workers_fingerprint,
 )
 
@@ -46,8 +47,10 @@ class _Follower:
         default_factory=lambda: asyncio.Queue(QUEUE_ITEMS)
     )
 
-    def tell(self, changed: dict[str, int]) -> None:
-        mine = [j for j, owner in changed.items() if self.viewer.is_admin or owner == self.viewer.user_id]  # fmt: skip
+    def tell(self, changed: dict[str, int], projects: dict[int, set[int]]) -> None:
+        """`changed`: job id -> project id; `projects`: user id -> their projects' ids."""
+        seen = projects.get(self.viewer.user_id, set())
+        mine = [j for j, p in changed.items() if self.viewer.is_admin or p in seen]
         if mine and not self.queue.full():
             self.queue.put_nowait(("changes", {"jobs": mine[:MAX_IDS]}))
 
@@ -61,9 +64,12 @@ def _start(factory: sessionmaker[Session]) -> tuple[ChangeState, int]:
         return changes_start(session), workers_fingerprint(session)
 
 
-def _changes(factory: sessionmaker[Session], state: ChangeState) -> tuple[dict[str, int], int]:
+def _changes(
+    factory: sessionmaker[Session], state: ChangeState, users: set[int]
+) -> tuple[dict[str, int], int, dict[int, set[int]]]:
     with factory() as session:
-        return changes_since(session, state, time.monotonic()), workers_fingerprint(session)
+        changed = changes_since(session, state, time.monotonic())
+        return changed, workers_fingerprint(session), memberships(session, users)
 
 
 class JobChanges:
@@ -104,10 +110,13 @@ class JobChanges:
                     state, workers = await run_in_threadpool(_start, self._factory())
                 else:
                     self.polls += 1
-                    changed, now = await run_in_threadpool(_changes, self._factory(), state)
+                    users = {f.viewer.user_id for f in self.followers if not f.viewer.is_admin}
+                    changed, now, projects = await run_in_threadpool(
+                        _changes, self._factory(), state, users
+                    )
                     moved, workers = now != workers, now
                     for follower in list(self.followers):
-                        follower.tell(changed)
+                        follower.tell(changed, projects)
                         if moved:
                             follower.tell_workers()
             except Exception as e:  # the store is down: the streams stay open and wait

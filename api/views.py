@@ -26,7 +26,7 @@ BODY_REVISION = "2"  # 2: reasons as the owner may see them
 _JOB_COLUMNS = (
     "id", "name", "state", "attempt", "spec", "pending_reason", "error", "created_at",
     "updated_at", "started_at", "finished_at", "priority", "world_size", "max_restarts",
-    "cancel_requested",
+    "cancel_requested", "notes", "archived_at", "rerun_of",
 )  # fmt: skip
 
 
@@ -72,11 +72,15 @@ def _waiting(n: int) -> str:
     )
 
 
-def _summary_fields(get: Callable[[str], Any], owner: str) -> dict[str, Any]:
+def _summary_fields(get: Callable[[str], Any], owner: str, project: str | None) -> dict[str, Any]:
     progress = get("progress")
     job_id = get("id")
+    tags = get("tags")
     return {
         **{k: get(k) for k in _JOB_COLUMNS},
+        "project": project,
+        "tags": tags if isinstance(tags, list) else [],
+        "archived": get("archived_at") is not None,
         "pending_reason": owner_reason(get("pending_reason"), job_id, owner),
         "error": owner_reason(get("error"), job_id, owner),
         # progress is the trainer's JSON: anything but an object shows as null
@@ -85,16 +89,16 @@ def _summary_fields(get: Callable[[str], Any], owner: str) -> dict[str, Any]:
     }
 
 
-def job_summary(job: Job, owner: str) -> JobSummary:
+def job_summary(job: Job, owner: str, project: str | None) -> JobSummary:
     """A listed job, from its row (the list has no attempts or metrics)."""
-    return JobSummary.model_validate(_summary_fields(lambda k: getattr(job, k), owner))
+    return JobSummary.model_validate(_summary_fields(lambda k: getattr(job, k), owner, project))
 
 
 def job_out(row: Mapping[str, Any]) -> JobOut:
     """The one job body (submit, show, cancel), from store.jobs.job_snapshot's row."""
     return JobOut.model_validate(
         {
-            **_summary_fields(row.__getitem__, row["owner"]),
+            **_summary_fields(row.__getitem__, row["owner"], row["project"]),
             "latest_metrics": row["latest_metrics"],
             "attempts": [
                 {**a, "reason": owner_reason(a.get("reason"), row["id"], row["owner"])}

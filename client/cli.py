@@ -1,8 +1,11 @@
 """The client half of the `torchyard` command: the argument parser and `main`, which runs one
 command. `main(argv)` takes the command name as argv[0]. The commands themselves live by group:
-client/cmd_jobs.py (submit, status, list, cancel, logs), client/cmd_results.py (metrics,
-download), client/cmd_pool.py (workers, quota, queue), client/cmd_sweeps.py (sweep …),
-client/cmd_tokens.py (token list|create|revoke), client/cmd_login.py (login); --follow is
+client/cmd_jobs.py (submit, status, list, cancel, logs), client/cmd_organise.py (tag, note,
+archive, delete, rerun), client/cmd_results.py (metrics, download), client/cmd_pool.py
+(workers, quota, queue), client/cmd_sweeps.py (sweep …),
+client/cmd_tokens.py (token list|create|revoke), client/cmd_audit.py (audit),
+client/cmd_projects.py (project create|list|show|add|remove),
+client/cmd_login.py (login); --follow is
 client/follow.py. The server's URL and token are
 looked up as client/config.py says.
 
@@ -32,9 +35,12 @@ from torchyard.client.cli_common import (
     err,
     note,
 )
+from torchyard.client.cmd_audit import add_audit_command
 from torchyard.client.cmd_jobs import add_job_commands, describe_job
 from torchyard.client.cmd_login import add_login_command
+from torchyard.client.cmd_organise import add_organise_commands
 from torchyard.client.cmd_pool import add_pool_commands, describe_queue
+from torchyard.client.cmd_projects import add_project_commands
 from torchyard.client.cmd_results import (
     add_result_commands,
     describe_download,
@@ -122,10 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     add_job_commands(cmd)  # submit, status, list, cancel, logs
+    add_organise_commands(cmd)  # tag, note, archive, delete, rerun
     add_result_commands(cmd)  # metrics, download
     add_pool_commands(cmd, sub, common)
     add_sweep_commands(sub, common)
     add_token_commands(sub, common)
+    add_audit_command(sub, common)
+    add_project_commands(sub, common)
     add_login_command(sub)
     return p
 

@@ -42,6 +42,11 @@ def add_job_commands(cmd: Callable[..., Any]) -> None:
         help="run the job with the code in DIR: packed into a bundle (honouring "
         ".torchyardignore), uploaded unless the server has it already, set as code.bundle",
     )
+    sp.add_argument("--project", help="the project to submit into (the spec's `project`)")
+    sp.add_argument(
+        "--tag", action="append", default=[], help="a tag for the job (repeat for several)"
+    )
+    sp.add_argument("--note", help="a note kept on the job (the spec's `notes`)")
     sp.add_argument("-f", "--follow", action="store_true", help="show progress until it ends")
     sp.add_argument("--idempotency-key", help="retrying with the same key returns the same job")
     sp.add_argument("--interval", type=float, default=0.5, help=_INTERVAL_HELP)
@@ -62,6 +67,9 @@ def add_job_commands(cmd: Callable[..., Any]) -> None:
     sp.add_argument("-n", "--limit", type=_positive, default=20, help="how many (default 20)")
     sp.add_argument("--cursor", help="start after the jobs shown before (printed when more exist)")
     sp.add_argument("--all", action="store_true", help="every job, page after page (not -n)")
+    sp.add_argument("--tag", help="only jobs with this tag (`torchyard tag JOB --add TAG`)")
+    sp.add_argument("--project", help="only this project's jobs (`torchyard project list`)")
+    sp.add_argument("--archived", action="store_true", help="archived jobs too (hidden otherwise)")
     sp.add_argument("--json", action="store_true", help="print the jobs as JSON")
 
     sp = cmd("cancel", cmd_cancel, "cancel a job (idempotent)")
@@ -103,10 +111,22 @@ def _positive(value: str) -> int:
 
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
+    spec = dict(load_spec(args.spec))
+    if args.project:
+        spec["project"] = args.project
+    if args.tag:
+        spec["tags"] = [*(spec.get("tags") or []), *args.tag]
+    if args.note:
+        spec["notes"] = args.note
     job = client.submit(
         spec, code=args.code, idempotency_key=args.idempotency_key, on_packed=_say_packed
     )
+    return announce_submitted(client, job, args)
+
+
+def announce_submitted(client: Client, job: dict, args: argparse.Namespace) -> int:
+    """A stored job as `submit` and `rerun` print it: its id (or JSON), its warnings, and
+    with --follow its progress until it ends."""
     if args.json:
         print_json(job)
     else:
@@ -152,6 +172,9 @@ def cmd_list(client: Client, args: argparse.Namespace) -> int:
     jobs, cursor = _list_pages(client, args)
     if cursor:  # stderr: stdout stays the table (or the JSON) alone
         again = "".join(f" --state {s}" for s in args.state or [])
+        again += f" --tag {args.tag}" if args.tag else ""
+        again += f" --project {args.project}" if args.project else ""
+        again += " --archived" if args.archived else ""
         print(
             f"… more jobs: torchyard list{again} -n {args.limit} --cursor {cursor} "
             "(or --all for every one)",
@@ -186,7 +209,15 @@ def _list_pages(client: Client, args: argparse.Namespace) -> tuple[list[dict], s
     cursor = args.cursor
     while args.all or len(jobs) < args.limit:
         want = _MAX_PAGE if args.all else min(args.limit - len(jobs), _MAX_PAGE)
-        page = client.jobs(state=args.state, limit=want, cursor=cursor)
+        archived = "any" if args.archived else None
+        page = client.jobs(
+            state=args.state,
+            limit=want,
+            cursor=cursor,
+            tag=args.tag,
+            archived=archived,
+            project=args.project,
+        )
         jobs += page.get("items", [])
         cursor = page.get("next_cursor")
         if not cursor:
@@ -254,6 +285,7 @@ def describe_job(job: dict) -> RenderableType:
         ("id", str(job.get("id"))),
         ("name", str(job.get("name"))),
         ("state", f"{job.get('state')} (attempt {job.get('attempt')})"),
+        *_organised(job),
     ]
     if job.get("pending_reason") and job.get("state") == "queued":
         rows.append(("waiting", str(job["pending_reason"])))
@@ -284,6 +316,18 @@ def describe_job(job: dict) -> RenderableType:
     ]
     headers = ["#", "STATE", "WORKERS", "STARTED", "ENDED", "EXIT", "REASON"]
     return Group(render.fields(rows), "", "attempts:", render.table(headers, table_rows))
+
+
+def _organised(job: dict) -> list[tuple[str, str]]:
+    """Tags, archive, re-run and notes, where the job has them (client/cmd_organise.py)."""
+    rows = [("tags", ", ".join(job["tags"]))] if job.get("tags") else []
+    if job.get("archived"):
+        rows.append(("archived", f"{job.get('archived_at')} (hidden from lists)"))
+    if job.get("rerun_of"):
+        rows.append(("re-run of", str(job["rerun_of"])))
+    if job.get("notes"):
+        rows.append(("notes", str(job["notes"])))
+    return rows
 
 
 def _progress_short(job: dict) -> str:

@@ -16,6 +16,7 @@ Every failure raises a subclass of `client.errors.TorchyardError`. `http=` takes
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -211,17 +212,20 @@ class Client:
         *,
         idempotency_key: str | None = None,
         on_packed: Callable[[Packed, int, bool], None] | None = None,
+        rerun_of: str | None = None,
     ) -> dict:
         """POST the spec; returns the new job (or, with the same idempotency key, the old one).
 
         `code`: a directory to run the job with. It is packed into a bundle (the same tree
         gives the same bundle id), uploaded unless the server already has it from you, and
-        named as the spec's `code.bundle` (in a copy: `spec` is left as it was)."""
+        named as the spec's `code.bundle` (in a copy: `spec` is left as it was).
+        `rerun_of`: the (full) id of the job this one re-runs, recorded with the new job."""
         body = self._full_init(spec)
         if code is not None:
             body["code"] = {"bundle": self.push_code(code, on_packed=on_packed)}
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return self._json("POST", "/v1/jobs", json=body, headers=headers)
+        params = {"rerun_of": rerun_of}
+        return self._json("POST", "/v1/jobs", json=body, headers=headers, params=params)
 
     def _full_init(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of the spec whose `init.from_job`, when a unique prefix of one of your
@@ -248,21 +252,30 @@ class Client:
         state: str | Sequence[str] | None = None,
         limit: int | None = None,
         cursor: str | None = None,
+        tag: str | None = None,
+        archived: str | None = None,
+        project: str | None = None,
     ) -> dict:
         """One page: {"items": [...], "next_cursor": ...}, newest first; `state` one state or
-        several (jobs in any of them)."""
+        several (jobs in any of them); `tag`: only jobs with it; `archived`: "true" (only
+        archived jobs) or "any" (both; default: archived jobs left out); `project`: only
+        that project's jobs."""
         states = [state] if isinstance(state, str) else list(state or [])
-        return self._json(
-            "GET", "/v1/jobs", params={"state": states or None, "limit": limit, "cursor": cursor}
-        )
+        params = {"state": states or None, "limit": limit, "cursor": cursor, "tag": tag,
+                  "archived": archived, "project": project}  # fmt: skip
+        return self._json("GET", "/v1/jobs", params=params)
 
     def iter_jobs(
-        self, *, state: str | Sequence[str] | None = None, page_size: int = 50
+        self,
+        *,
+        state: str | Sequence[str] | None = None,
+        page_size: int = 50,
+        archived: str | None = None,
     ) -> Iterator[dict]:
         """Every job, following the cursor across pages."""
         cursor = None
         while True:
-            page = self.jobs(state=state, limit=page_size, cursor=cursor)
+            page = self.jobs(state=state, limit=page_size, cursor=cursor, archived=archived)
             yield from page.get("items", [])
             cursor = page.get("next_cursor")
             if not cursor:
@@ -275,7 +288,8 @@ class Client:
             return ref
         if not _PREFIX.match(ref):
             raise _not_found(f"not a job id: {ref!r} (32 hex digits, or a unique prefix)")
-        return match_prefix("job", ref, self.iter_jobs(page_size=500), PREFIX_SCAN)
+        jobs = self.iter_jobs(page_size=500, archived="any")  # an archived job is still yours
+        return match_prefix("job", ref, jobs, PREFIX_SCAN)
 
     _jid = resolve_job_id
 
@@ -292,6 +306,37 @@ class Client:
             raise Conflict(
                 e.status, e.code, f"job {job_id} already {state}: nothing to cancel", e.details
             ) from None
+
+    # -- organising jobs: tags, notes, archive, delete, re-run ---------------------------------
+
+    def edit_job(self, job_id: str, **fields: Any) -> dict:
+        """Change the job's `tags` (the whole new list) and/or `notes` (None or "" clears);
+        returns the job. Members and owners of its project may (Forbidden otherwise)."""
+        return self._json("PATCH", f"/v1/jobs/{self._jid(job_id)}", json=fields)
+
+    def tag(self, job_id: str, *, add: Sequence[str] = (), remove: Sequence[str] = ()) -> dict:
+        """Add and remove tags (the others are kept, in their order); returns the job."""
+        job_id = self._jid(job_id)
+        tags = [t for t in self.job(job_id).get("tags") or [] if t not in set(remove)]
+        tags += [t for t in dict.fromkeys(add) if t not in tags]
+        return self.edit_job(job_id, tags=tags)
+
+    def archive(self, job_id: str, *, undo: bool = False) -> dict:
+        """Hide the job from default lists (`undo`: show it again); returns the job."""
+        action = "unarchive" if undo else "archive"
+        return self._json("POST", f"/v1/jobs/{self._jid(job_id)}/{action}")
+
+    def delete_job(self, job_id: str) -> None:
+        """Delete an ended job, its records and files, for good. Conflict while it has not
+        ended (cancel it first); Forbidden unless you own its project or submitted it."""
+        self._json("DELETE", f"/v1/jobs/{self._jid(job_id)}")
+
+    def rerun(self, job_id: str, changes: Mapping[str, Any] | None = None) -> dict:
+        """Submit the job's spec again with `changes` ({dotted path: value}, e.g.
+        {"optimizer.lr": 0.01}) set in it; the new job records which job it re-runs."""
+        job_id = self._jid(job_id)
+        spec = rerun_spec(self.job(job_id), changes or {})
+        return self.submit(spec, rerun_of=job_id)
 
     def wait(
         self,
@@ -734,12 +779,106 @@ class Client:
         """Revoke a token by id (your own, or anyone's for an admin): refused from then on."""
         self._json("DELETE", f"/v1/tokens/{int(token_id)}")
 
+    # -- projects ---------------------------------------------------------------------------
+
+    def projects(self) -> list[dict]:
+        """The projects you have a role in (an admin: every project), each {"name",
+        "personal", "role", "members", "created_at"}."""
+        return list(self._json("GET", "/v1/projects").get("items", []))
+
+    def project(self, name: str) -> dict:
+        """A project with its `members` ([{"user", "role"}], owners first)."""
+        return dict(self._json("GET", f"/v1/projects/{_seg(name)}"))
+
+    def create_project(self, name: str) -> dict:
+        """Make a project; you become its owner."""
+        return dict(self._json("POST", "/v1/projects", json={"name": name}))
+
+    def set_member(self, project: str, user: str, role: str = "member") -> dict:
+        """Give `user` a role (viewer, member, owner) in the project (its owners only)."""
+        path = f"/v1/projects/{_seg(project)}/members/{_seg(user)}"
+        return dict(self._json("PUT", path, json={"role": role}))
+
+    def remove_member(self, project: str, user: str) -> dict:
+        """Take `user` out of the project (its owners; anyone for themselves)."""
+        return dict(self._json("DELETE", f"/v1/projects/{_seg(project)}/members/{_seg(user)}"))
+
+    # -- the audit trail --------------------------------------------------------------------
+
+    def audit(
+        self,
+        *,
+        user: str | None = None,
+        action: str | None = None,
+        target: str | None = None,
+        project: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> dict:
+        """One page of the audit trail: {"items": [...], "next_cursor": ...}, newest first;
+        each entry {"id", "time", "user", "action", "target", "details", "client"}. Admins
+        read every entry, a project's owners its entries. `action` ending in `.` is a prefix
+        (`job.`); `since`/`until` are ISO 8601 times."""
+        params = {"user": user, "action": action, "target": target, "project": project,
+                  "since": since, "until": until, "limit": limit, "cursor": cursor}  # fmt: skip
+        return dict(self._json("GET", "/v1/audit", params=params))
+
     def ready(self) -> bool:
         """True when /readyz answers 200 (no token needed)."""
         try:
             return self._http.get("/readyz", timeout=5.0).status_code == 200
         except httpx.HTTPError:
             return False
+
+
+def rerun_spec(job: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec to submit for a re-run of `job` (as GET /v1/jobs/{id} answers it): its
+    stored spec, its tags (kept beside the spec, not in it), its team project (a personal
+    one is left out: a re-run lands in the caller's own), then each change set at its
+    dotted path. The server checks the result (422 naming a bad field)."""
+    spec = copy.deepcopy(dict(job.get("spec") or {}))
+    if job.get("tags") and "tags" not in spec:
+        spec["tags"] = list(job["tags"])
+    project = job.get("project")
+    if project and not str(project).startswith("~") and "project" not in spec:
+        spec["project"] = project
+    for path, value in changes.items():
+        set_at(spec, path, value)
+    return spec
+
+
+def set_at(spec: dict[str, Any], path: str, value: Any) -> None:
+    """Set `value` at the dotted `path` (`optimizer.lr`, `model.hidden.0`), making the
+    mappings on the way; a number indexes a list (its length appends). ValueError for a
+    path that cannot be followed (an index past a list's end, an empty part)."""
+    parts = path.split(".")
+    if not all(parts):
+        raise ValueError(f"{path!r} is not a dotted path (a.b.c)")
+    node: Any = spec
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list) and part.isdigit() and int(part) <= len(node):
+            k = int(part)
+            if k == len(node):
+                node.append(None)
+            if last:
+                node[k] = value
+            elif not isinstance(node[k], dict | list):
+                node[k] = {}
+            node = node[k]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            elif not isinstance(node.get(part), dict | list):
+                node[part] = {}
+            node = node[part]
+        else:
+            where = ".".join(parts[:i]) or "the spec"
+            raise ValueError(
+                f"{path}: {where} is a list; {part!r} is not an index up to {len(node)}"
+            )
 
 
 def default_filename(job_id: str, ckpt: Mapping[str, Any]) -> str:

@@ -46,6 +46,11 @@ IMAGEFOLDER_RE = re.compile(r"^imagefolder/[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 SCRIPT_RE = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]*/)*[A-Za-z0-9_][A-Za-z0-9_.-]*\.py$")
 BUNDLE_ID_RE = r"^[0-9a-f]{64}$"
 JOB_ID_RE = r"^[0-9a-f]{32}$"
+# A project: a team's name, or `~<user>` for a user's personal project.
+PROJECT_RE = r"^(~.{1,100}|[A-Za-z0-9][A-Za-z0-9._-]{0,99})$"
+TAG_RE = r"^[A-Za-z0-9_.:/=+-]{1,64}$"
+MAX_TAGS = 32
+MAX_NOTES = 10_000
 MAX_ARGS_JSON = 65_536  # model.args / data.args, as JSON
 
 
@@ -325,6 +330,9 @@ SCRIPT_FIELDS = frozenset(
         "max_restarts",
         "priority",
         "preemptible",
+        "project",
+        "tags",
+        "notes",
     }
 )
 
@@ -344,6 +352,15 @@ class JobSpec(_Strict):
 
     name: str | None = Field(default=None, min_length=1, max_length=200, pattern=r"^[\w.\- ]+$")
     """Display name (default: `<data>-<model>`, or the script's name)."""
+    project: str | None = Field(default=None, pattern=PROJECT_RE)
+    """The project the job belongs to (default: your personal project `~<you>`); you need
+    the role member or owner in it."""
+    tags: list[Annotated[str, Field(pattern=TAG_RE)]] | None = Field(
+        default=None, max_length=MAX_TAGS
+    )
+    """Labels to filter by (GET /v1/jobs?tag=); kept on the job, changed by PATCH."""
+    notes: str | None = Field(default=None, max_length=MAX_NOTES)
+    """A free note kept on the job, changed by PATCH."""
     model: ModelSpec | None = None
     data: DataSpec | None = None
     optimizer: OptimizerSpec | None = None
@@ -466,7 +483,19 @@ def parse_spec(obj: Any) -> JobSpec:
 
 # Fields that are left out of a spec's dict when unset (null), so that a built-in job's
 # stored spec reads as it did before they existed.
-_OMIT_WHEN_NULL = {"args", "image_size", "code", "entrypoint", "init", "model", "data", "optimizer"}
+_OMIT_WHEN_NULL = {
+    "project",
+    "tags",
+    "notes",
+    "args",
+    "image_size",
+    "code",
+    "entrypoint",
+    "init",
+    "model",
+    "data",
+    "optimizer",
+}
 
 
 def _drop_nulls(d: dict[str, Any]) -> dict[str, Any]:

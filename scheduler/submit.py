@@ -28,7 +28,7 @@ from torchyard.scheduler.space import Param
 from torchyard.scheduler.submitchecks import Problems, SubmitRefused, Submitter
 from torchyard.settings import Settings
 from torchyard.storage import storage_for
-from torchyard.store.jobs import IdempotencyConflict, create_job
+from torchyard.store.jobs import IdempotencyConflict, Placement, create_job
 from torchyard.store.models import Job, User
 
 __all__ = [
@@ -66,6 +66,7 @@ class Admitted:
 
     who: Submitter
     spec: job_spec.JobSpec
+    project_id: int | None  # None: the submitter's personal project
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,11 @@ class Admission:
         spec, problems = self.check(obj)
         if spec is None or problems:
             raise SubmitRefused.invalid(problems)
-        return Admitted(self.who, spec)
+        return Admitted(self.who, spec, self.project_id(spec.project))
+
+    def project_id(self, name: str | None) -> int | None:
+        """The project a job goes into (SubmitRefused if the submitter may not)."""
+        return rules.project_of(self.session, self.who, name)
 
     def _reference_problems(self, spec: job_spec.JobSpec) -> Problems:
         if not refs.needs_store(spec):
@@ -138,15 +143,20 @@ def enqueue(
     key: str | None = None,
     name: str | None = None,
     sweep_id: str | None = None,
+    rerun_of: str | None = None,
 ) -> Submitted:
     """Store an admitted spec as a queued job in the caller's transaction (the caller
     commits): SubmitRefused over the `max_queued` quota, or for an Idempotency-Key used with
-    another spec. `name`: the spec's display name unless given; `sweep_id`: its sweep."""
+    another spec. `name`: the spec's display name unless given; `sweep_id`: its sweep;
+    `rerun_of`: the job it re-runs. The spec's `tags` and `notes` become the job's (which
+    PATCH changes later), not part of its stored spec."""
     who, spec = admitted.who, admitted.spec
     refusal = rules.queue_refusal(session, who.id, key)
     if refusal is not None:
         raise refusal
     stored = job_spec.spec_to_dict(spec)
+    tags, notes = stored.pop("tags", None) or [], stored.pop("notes", None)
+    placed = Placement(admitted.project_id, tuple(dict.fromkeys(tags)), notes, rerun_of)
     try:
         job, created = create_job(
             session,
@@ -155,6 +165,7 @@ def enqueue(
             name=name or spec.display_name,
             idempotency_key=key,
             sweep_id=sweep_id,
+            placed=placed,
         )
     except IdempotencyConflict as e:
         raise SubmitRefused("idempotency_conflict", str(e), details={"job_id": e.job_id}) from None

@@ -28,6 +28,7 @@ from torchyard.settings import Settings
 from torchyard.storage import datasets as stored_sets
 from torchyard.storage import storage_for
 from torchyard.storage.keys import dataset_manifest_key
+from torchyard.store import projects
 from torchyard.store.jobs import idempotency_key_used
 from torchyard.store.models import User
 from torchyard.store.queue import live_counts
@@ -230,6 +231,29 @@ def sweep_refusal(
     if refusal is not None:
         return refusal
     return max_priority_refusal(session, who, top, field, " in a trial of this sweep")
+
+
+def project_of(session: Session, who: Submitter, name: str | None) -> int | None:
+    """The id of the project a job of `who` goes into: `name`, or None for their personal
+    project (made when the job is stored, if missing: this may run on a read session).
+    A project they have no role in is invalid (422 naming `project`, the same words whether
+    it exists or not, so names of others' projects leak nothing); a viewer's is forbidden."""
+    if name is None:
+        return projects.personal_project_id(session, who.id)
+    project = projects.project_named(session, name)
+    role = (
+        None
+        if project is None
+        else projects.effective_role(session, who.id, who.is_admin, project.id)
+    )
+    if project is None or role is None:
+        raise SubmitRefused.invalid([("project", f"no project {name!r} that you are in")])
+    if not projects.at_least(role, "member"):
+        raise SubmitRefused(
+            "forbidden",
+            f"you are a viewer of project {name!r}: only its members and owners submit to it",
+        )
+    return project.id
 
 
 # --- the quota ----------------------------------------------------------------------------------

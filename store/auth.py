@@ -18,6 +18,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from torchyard.store.models import ApiToken, UiLoginLink, UiSession, User, utcnow
+from torchyard.store.projects import ensure_personal
 
 TOKEN_PREFIX = "ty_"
 
@@ -29,7 +30,7 @@ def hash_token(token: str) -> str:
 def get_or_create_user(
     session: Session, user_name: str, admin: bool = False, can_run_code: bool = False
 ) -> User:
-    """The user called `user_name`, created if missing. `admin=True` and `can_run_code=True`
+    """The user called `user_name`, created (with their personal project) if missing. `admin=True` and `can_run_code=True`
     promote an existing user; False never demotes one (a new token must not silently take
     away what an earlier one was given)."""
     user = session.scalar(select(User).where(User.name == user_name))
@@ -37,6 +38,7 @@ def get_or_create_user(
         user = User(name=user_name, is_admin=admin, can_run_code=can_run_code)
         session.add(user)
         session.flush()
+        ensure_personal(session, user)
         return user
     if admin and not user.is_admin:
         user.is_admin = True

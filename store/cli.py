@@ -5,17 +5,23 @@ Tokens are otherwise made, listed and revoked over the API (`torchyard token …
 client/cmd_tokens.py, by an admin); the local path is for the first admin, before any
 token exists (or to get back in when every admin token was revoked): whoever can write the
 database can do anything anyway. Both commands make their files private to this user
-(umask 077: a new SQLite database is not world-readable)."""
+(umask 077: a new SQLite database is not world-readable). A token made here is in the
+audit trail as made by `<os user>@local` from `local`."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from torchyard.settings import get_settings, private_umask
+
+if TYPE_CHECKING:  # the store's modules are imported by the command that needs them
+    from torchyard.store.audit import Actor
 
 BOOTSTRAP = (
     "The first admin's token, written straight into the database (TORCHYARD_DATABASE_URL): "
@@ -57,6 +63,17 @@ def _private() -> Iterator[None]:
         os.umask(old)
 
 
+def local_actor() -> Actor:
+    """Who a change made on the server's own database is recorded as: the OS user."""
+    from torchyard.store.audit import Actor
+
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+        name = f"uid{os.getuid()}"
+    return Actor(None, f"{name}@local", "local")
+
+
 def token_main(argv: list[str]) -> int:
     """`torchyard token create --local …` (the dispatcher drops `--local`)."""
     parser = argparse.ArgumentParser(prog="torchyard token --local", description=BOOTSTRAP)
@@ -77,7 +94,8 @@ def token_main(argv: list[str]) -> int:
     create.add_argument("--label", help="a name to tell the token apart by")
     args = parser.parse_args(argv)
 
-    from torchyard.store.auth import create_token
+    from torchyard.store.audit import record
+    from torchyard.store.auth import issue_token
     from torchyard.store.db import session_scope
 
     if not 1 <= len(args.user) <= 100:
@@ -85,9 +103,9 @@ def token_main(argv: list[str]) -> int:
     if args.label is not None and len(args.label) > 100:
         parser.error("--label must be at most 100 characters")
     with _private(), session_scope(get_settings().db_url) as session:
-        token = create_token(
-            session, args.user, admin=args.admin, can_run_code=args.can_run_code, label=args.label
-        )
+        row, token = issue_token(session, args.user, args.admin, args.can_run_code, args.label)
+        details = {k: getattr(args, k) for k in ("user", "admin", "can_run_code", "label")}
+        record(session, local_actor(), "token.create", f"token:{row.id}", details)
     # Only the token on stdout, so `TOKEN=$(torchyard token create --local …)` works.
     print(token)
     return 0

@@ -1,5 +1,5 @@
 """Jobs as the API sees them: submit (idempotent), list (newest first, keyset cursor),
-look up what a user may see, record a cancel request, the one-statement snapshot every
+look up what a user may see (the jobs of the projects they have a role in; admins: all), record a cancel request, the one-statement snapshot every
 job body is built from, and the job's version (what a conditional GET reads).
 
 The API writes only the intent columns (spec, name, owner, priority, cancel_requested);
@@ -13,7 +13,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +24,17 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 
 from torchyard.store.dialect import is_postgres
-from torchyard.store.models import Attempt, IdempotencyKey, Job, JobEvent, User, utcnow
+from torchyard.store.models import (
+    Attempt,
+    IdempotencyKey,
+    Job,
+    JobEvent,
+    JobTag,
+    Project,
+    User,
+    utcnow,
+)
+from torchyard.store.projects import ensure_personal, visible_projects, visible_projects_param
 from torchyard.store.states import (
     CANCELLED,
     CANCELLING,
@@ -54,7 +64,8 @@ class BadCursor(ValueError):
 
 @dataclass(frozen=True)
 class Viewer:
-    """Who is asking: a user id and whether they may see every job."""
+    """Who is asking: a user id and whether they may see every job (else: the jobs of the
+    projects they have a role in, store/projects.py)."""
 
     user_id: int
     is_admin: bool = False
@@ -89,11 +100,31 @@ def idempotency_key_used(session: Session, user_id: int, key: str) -> bool:
     return session.scalar(q) is not None
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a new job goes and what it carries beside its spec: its project (None: the
+    owner's personal project), tags and notes from the submit, the job it re-runs."""
+
+    project_id: int | None = None
+    tags: tuple[str, ...] = ()
+    notes: str | None = None
+    rerun_of: str | None = None
+
+
 def _new_job(
-    owner_id: int, spec: dict[str, Any], name: str, now: datetime, sweep_id: str | None = None
+    owner_id: int,
+    spec: dict[str, Any],
+    name: str,
+    now: datetime,
+    sweep_id: str | None,
+    placed: Placement,
 ) -> Job:
     return Job(
         owner_id=owner_id,
+        project_id=placed.project_id,
+        tags=list(placed.tags),
+        notes=placed.notes,
+        rerun_of=placed.rerun_of,
         name=name,
         spec=spec,
         world_size=int(spec.get("world_size", 1)),
@@ -116,6 +147,7 @@ def _insert(session: Session, job: Job, key: str | None, request_hash: str) -> N
     with session.begin_nested():
         session.add(job)
         session.flush()
+        session.add_all(JobTag(job_id=job.id, tag=t) for t in job.tags)
         session.add(
             JobEvent(
                 job_id=job.id,
@@ -145,19 +177,25 @@ def create_job(
     name: str,
     idempotency_key: str | None = None,
     sweep_id: str | None = None,
+    placed: Placement = Placement(),
 ) -> tuple[Job, bool]:
     """Store a queued job for a normalised spec. Returns (job, created).
 
     With an idempotency key already used by this user: the original job and
     created=False when the spec is the same, IdempotencyConflict when it is not.
-    `sweep_id`: the sweep the job is a trial of.
+    `sweep_id`: the sweep the job is a trial of; `placed`: its project, tags, notes.
     """
+    if placed.project_id is None:
+        owner = session.get(User, owner_id)
+        if owner is None:
+            raise LookupError(f"no user {owner_id}")
+        placed = replace(placed, project_id=ensure_personal(session, owner).id)
     request_hash = spec_hash(spec)
     if idempotency_key is not None:
         job = _replay(session, owner_id, idempotency_key, request_hash)
         if job is not None:
             return job, False
-    job = _new_job(owner_id, spec, name, utcnow(), sweep_id)
+    job = _new_job(owner_id, spec, name, utcnow(), sweep_id, placed)
     try:
         _insert(session, job, idempotency_key, request_hash)
     except IntegrityError:
@@ -177,7 +215,7 @@ def get_job(session: Session, viewer: Viewer, job_id: str) -> tuple[Job, str] | 
         return None
     stmt = select(Job, User.name).join(User, User.id == Job.owner_id).where(Job.id == job_id)
     if not viewer.is_admin:
-        stmt = stmt.where(Job.owner_id == viewer.user_id)
+        stmt = stmt.where(Job.project_id.in_(visible_projects(viewer.user_id)))
     row = session.execute(stmt).first()
     return (row[0], row[1]) if row is not None else None
 
@@ -199,6 +237,31 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
     return created, job_id
 
 
+@dataclass(frozen=True)
+class JobFilter:
+    """What a job list narrows to: states, one project, one tag; archived jobs are left
+    out unless `archived` is True (only them) or None (both)."""
+
+    states: Sequence[str] = ()
+    project_id: int | None = None
+    tag: str | None = None
+    archived: bool | None = False
+
+    def where(self) -> list[Any]:
+        where: list[Any] = []
+        if self.states:
+            where.append(Job.state.in_(list(self.states)))
+        if self.project_id is not None:
+            where.append(Job.project_id == self.project_id)
+        if self.tag is not None:
+            where.append(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == self.tag)))
+        if self.archived is not None:
+            where.append(
+                Job.archived_at.is_not(None) if self.archived else Job.archived_at.is_(None)
+            )
+        return where
+
+
 def list_jobs(
     session: Session,
     viewer: Viewer,
@@ -206,14 +269,20 @@ def list_jobs(
     states: Sequence[str] = (),
     cursor: str | None = None,
     limit: int = 50,
-) -> tuple[list[tuple[Job, str]], str | None]:
-    """A page of (job, owner name), newest first, and the cursor of the next page (or None)."""
+    only: JobFilter | None = None,
+) -> tuple[list[tuple[Job, str, str | None]], str | None]:
+    """A page of (job, owner name, project name), newest first, and the cursor of the next
+    page (or None). `only`: the filters (default: not archived, `states`)."""
     limit = max(1, min(limit, MAX_PAGE))
-    stmt = select(Job, User.name).join(User, User.id == Job.owner_id)
+    only = only or JobFilter(states=states)
+    stmt = (
+        select(Job, User.name, Project.name)
+        .join(User, User.id == Job.owner_id)
+        .outerjoin(Project, Project.id == Job.project_id)
+        .where(*only.where())
+    )
     if not viewer.is_admin:
-        stmt = stmt.where(Job.owner_id == viewer.user_id)
-    if states:
-        stmt = stmt.where(Job.state.in_(list(states)))
+        stmt = stmt.where(Job.project_id.in_(visible_projects(viewer.user_id)))
     if cursor:
         created, job_id = decode_cursor(cursor)
         stmt = stmt.where(
@@ -222,7 +291,7 @@ def list_jobs(
     rows = session.execute(
         stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
     ).all()
-    page = [(r[0], r[1]) for r in rows[:limit]]
+    page: list[tuple[Job, str, str | None]] = [(r[0], r[1], r[2]) for r in rows[:limit]]
     next_cursor = None
     if len(rows) > limit:
         last = page[-1][0]
@@ -328,13 +397,15 @@ def snapshot_stmt(dialect: str, admin: bool) -> Select[Any]:
         select(
             Job.__table__,
             User.name.label("owner"),
+            Project.name.label("project"),
             literal_column(_ATTEMPTS_JSON.format(**funcs), JSON).label("attempts"),
             literal_column(_LATEST_JSON[dialect], JSON).label("latest_metrics"),
         )
         .join(User, User.id == Job.owner_id)
+        .outerjoin(Project, Project.id == Job.project_id)
         .where(Job.id == bindparam("job_id"))
     )
-    return stmt if admin else stmt.where(Job.owner_id == bindparam("user_id"))
+    return stmt if admin else stmt.where(Job.project_id.in_(visible_projects_param()))
 
 
 def viewer_params(viewer: Viewer, job_id: str) -> dict[str, Any]:
@@ -377,7 +448,7 @@ def snapshot_from_row(out: dict[str, Any]) -> dict[str, Any]:
 VERSION_STMTS = {
     True: select(Job.version).where(Job.id == bindparam("job_id")),
     False: select(Job.version).where(
-        Job.id == bindparam("job_id"), Job.owner_id == bindparam("user_id")
+        Job.id == bindparam("job_id"), Job.project_id.in_(visible_projects_param())
     ),
 }
 

@@ -94,6 +94,62 @@ class User(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class Project(Base):
+    """A project: the unit of sharing (store/projects.py). Every user has a personal one,
+    named `~<user>`, made with the user; every job and sweep belongs to exactly one."""
+
+    __tablename__ = "projects"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(101), unique=True)
+    # The user whose personal project this is; None for a team's project.
+    personal_of: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), nullable=True, unique=True
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ProjectMember(Base):
+    """A user's role in a project: viewer (reads), member (also submits and cancels),
+    owner (also manages members)."""
+
+    __tablename__ = "project_members"
+    project_id: Mapped[int] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True
+    )
+    user_id: Mapped[int] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True
+    )
+    role: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    # Every visibility check reads "the projects of user U" (store/projects.py: visible_to).
+    __table_args__ = (Index("ix_project_members_user", "user_id", "project_id"),)
+
+
+class AuditEntry(Base):
+    """One change a person made (store/audit.py), written in the change's own transaction.
+    Append-only: the migration adds triggers that refuse UPDATE and DELETE on both
+    databases. No foreign keys, so that deleting a job or a project leaves its entries."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    time: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    user_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    user_name: Mapped[str] = mapped_column(String(100))
+    action: Mapped[str] = mapped_column(String(40))
+    target: Mapped[str] = mapped_column(String(300))
+    # The project the target belongs to, for its owners' view of the trail; None: none.
+    project_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    client: Mapped[str | None] = mapped_column(String(100), nullable=True)
+
+    __table_args__ = (
+        Index("ix_audit_log_project", "project_id", "id"),
+        Index("ix_audit_log_user", "user_name", "id"),
+        Index("ix_audit_log_action", "action", "id"),
+    )
+
+
 class ApiToken(Base):
     __tablename__ = "api_tokens"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -159,6 +215,18 @@ class Job(Base):
     # A job handed back again and again waits until then before a pass may start it
     # (store/lifecycle.py: hand-back backoff; migration 0012). None: no wait.
     hold_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # The project the job belongs to (store/projects.py). Nullable and without a foreign
+    # key so that migration 0016 adds it without rebuilding `jobs` on SQLite; every job
+    # stored since has one.
+    project_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Labels and a free note, changed later through PATCH /v1/jobs/{id}; the tags are also
+    # rows of job_tags, which the tag filter reads.
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list, server_default="[]")
+    notes: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Hidden from the default lists since then (POST /v1/jobs/{id}/archive); None: shown.
+    archived_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # The job this one re-runs (`torchyard rerun`), if any.
+    rerun_of: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
     __table_args__ = (
         # Jobs by state (lists and counts), then priority and age.
@@ -168,6 +236,20 @@ class Job(Base):
         # column (pending reason, progress, version) stays in its page and writes no index.
         {"postgresql_with": {"fillfactor": 70}},
     )
+
+
+Index("ix_jobs_project_created", Job.project_id, Job.created_at)
+
+
+class JobTag(Base):
+    """One tag of a job, for the tag filter (GET /v1/jobs?tag=); the job's `tags` column
+    holds the same list for display. Both are written together (store/joborg.py)."""
+
+    __tablename__ = "job_tags"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(64), primary_key=True)
+
+    __table_args__ = (Index("ix_job_tags_tag", "tag", "job_id"),)
 
 
 # A sweep's trials; most jobs are none (no entry for NULL).
@@ -289,9 +371,9 @@ def _bytewise(length: int) -> String:
 
 
 class Metric(Base):
-    """A point of a series. No foreign key to `jobs` (migration 0010): jobs are never
-    deleted, and every write of points is fenced by an active attempt of the job (so it
-    exists); the check, a lookup and a row lock on the job per point, cost ~8 µs of
+    """A point of a series. No foreign key to `jobs` (migration 0010): a job is deleted
+    only once ended (store/joborg.py deletes its points with it), and every write of points
+    is fenced by an active attempt of the job (so it exists); the check, a lookup and a row lock on the job per point, cost ~8 µs of
     server CPU per point, about half of the ingest's."""
 
     __tablename__ = "metrics"
@@ -380,6 +462,8 @@ class Sweep(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # Its project (the trials' too); nullable and without a foreign key as jobs.project_id.
+    project_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (
         Index("ix_sweeps_owner_created", "owner_id", "created_at"),

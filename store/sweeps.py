@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from torchyard.store.dialect import is_postgres
 from torchyard.store.jobs import MAX_PAGE, Viewer, decode_cursor, encode_cursor, request_cancel
 from torchyard.store.metrics import query_series
 from torchyard.store.models import Job, Sweep, SweepTrial, User, utcnow
+from torchyard.store.projects import ensure_personal, project_names, visible_projects
 from torchyard.store.states import CANCELLED, FAILED, RUNNING, SUCCEEDED, TERMINAL
 
 if TYPE_CHECKING:
@@ -53,10 +54,16 @@ class NewSweep:
     sampler: str
     pruner: str
     seed: int
+    project_id: int | None = None  # None: the owner's personal project
 
 
 def create_sweep(session: Session, owner_id: int, new: NewSweep) -> Sweep:
     now = utcnow()
+    if new.project_id is None:
+        owner = session.get(User, owner_id)
+        if owner is None:
+            raise LookupError(f"no user {owner_id}")
+        new = replace(new, project_id=ensure_personal(session, owner).id)
     sweep = Sweep(owner_id=owner_id, **asdict(new), state=RUNNING, created_at=now, updated_at=now)
     session.add(sweep)
     session.flush()
@@ -69,7 +76,7 @@ def get_sweep(session: Session, viewer: Viewer, sweep_id: str) -> Sweep | None:
         return None
     stmt = select(Sweep).where(Sweep.id == sweep_id)
     if not viewer.is_admin:
-        stmt = stmt.where(Sweep.owner_id == viewer.user_id)
+        stmt = stmt.where(Sweep.project_id.in_(visible_projects(viewer.user_id)))
     return session.scalars(stmt).first()
 
 
@@ -85,7 +92,7 @@ def list_sweeps(
     limit = max(1, min(limit, MAX_PAGE))
     stmt = select(Sweep)
     if not viewer.is_admin:
-        stmt = stmt.where(Sweep.owner_id == viewer.user_id)
+        stmt = stmt.where(Sweep.project_id.in_(visible_projects(viewer.user_id)))
     if states:
         stmt = stmt.where(Sweep.state.in_(states))
     if cursor:
@@ -99,7 +106,11 @@ def list_sweeps(
     page = rows[:limit]
     trials = _trials_of(session, [s.id for s in page])
     owners = _owner_names(session, {s.owner_id for s in page})
-    items = [summary(s, owners[s.owner_id], trials.get(s.id, [])) for s in page]
+    names = project_names(session, {s.project_id for s in page if s.project_id is not None})
+    items = [
+        summary(s, owners[s.owner_id], trials.get(s.id, []), names.get(s.project_id or 0))
+        for s in page
+    ]
     last = page[-1] if len(rows) > limit else None
     return items, encode_cursor(last.created_at, last.id) if last is not None else None
 
@@ -111,21 +122,26 @@ def sweep_view(session: Session, viewer: Viewer, sweep_id: str) -> dict[str, Any
         return None
     trials = _trials_of(session, [sweep.id]).get(sweep.id, [])
     owner = _owner_names(session, {sweep.owner_id})[sweep.owner_id]
+    ids = {sweep.project_id} if sweep.project_id is not None else set()
+    project = project_names(session, ids).get(sweep.project_id or 0)
     return {
-        **summary(sweep, owner, trials),
+        **summary(sweep, owner, trials, project),
         "spec": sweep.spec,
         "space": sweep.space,
         "trials": trials,
     }
 
 
-def summary(sweep: Sweep, owner: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(
+    sweep: Sweep, owner: str, trials: list[dict[str, Any]], project: str | None = None
+) -> dict[str, Any]:
     """A sweep's columns, its trials counted by status and its best trial (no trial list)."""
     counts = Counter(t["status"] for t in trials)
     return {
         "id": sweep.id,
         "name": sweep.name,
         "owner": owner,
+        "project": project,
         "state": sweep.state,
         "objective": {"metric": sweep.metric, "mode": sweep.mode},
         "max_trials": sweep.max_trials,

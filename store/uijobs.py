@@ -25,10 +25,13 @@ from torchyard.store.models import (
     Checkpoint,
     Job,
     JobEvent,
+    JobTag,
     Metric,
+    ProjectMember,
     User,
     Worker,
 )
+from torchyard.store.projects import visible_projects
 from torchyard.store.states import ACTIVE
 
 TABLE_METRICS = ("train/loss", "val/accuracy")
@@ -42,8 +45,12 @@ def _escape_like(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def _filters(viewer: Viewer, text: str | None) -> list[Any]:
-    where: list[Any] = [] if viewer.is_admin else [Job.owner_id == viewer.user_id]
+def _filters(viewer: Viewer, text: str | None, tag: str | None = None) -> list[Any]:
+    where: list[Any] = [Job.archived_at.is_(None)]  # archived jobs: GET /v1/jobs?archived=
+    if tag is not None:  # ix_job_tags_tag
+        where.append(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == tag)))
+    if not viewer.is_admin:
+        where.append(Job.project_id.in_(visible_projects(viewer.user_id)))
     if text:
         pattern = f"%{_escape_like(text)}%"
         match = [
@@ -56,12 +63,14 @@ def _filters(viewer: Viewer, text: str | None) -> list[Any]:
     return where
 
 
-def state_counts(session: Session, viewer: Viewer, text: str | None) -> dict[str, int]:
-    """Jobs by state among those the text filter keeps (the table's state chips)."""
+def state_counts(
+    session: Session, viewer: Viewer, text: str | None, tag: str | None = None
+) -> dict[str, int]:
+    """Jobs by state among those the text (and tag) filter keeps (the table's state chips)."""
     rows = session.execute(
         select(Job.state, func.count())
         .join(User, User.id == Job.owner_id)
-        .where(*_filters(viewer, text))
+        .where(*_filters(viewer, text, tag))
         .group_by(Job.state)
     )
     return {state: int(n) for state, n in rows}
@@ -73,18 +82,19 @@ def table_page(
     *,
     states: Sequence[str] = (),
     text: str | None = None,
+    tag: str | None = None,
     offset: int = 0,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
     """A page of the table, newest first: each job's columns, `owner`, `latest` (the
     newest value of each TABLE_METRICS name, when recorded) and `workers` (the ids of the
     workers of its running attempt, by rank)."""
-    where = _filters(viewer, text)
+    where = _filters(viewer, text, tag)
     if states:
         where.append(Job.state.in_(list(states)))
     cols = (Job.id, Job.name, Job.state, Job.progress, Job.world_size, Job.attempt,
             Job.created_at, Job.started_at, Job.finished_at, Job.pending_reason,
-            Job.sweep_id, User.name.label("owner"))  # fmt: skip
+            Job.sweep_id, Job.tags, User.name.label("owner"))  # fmt: skip
     rows = session.execute(
         select(*cols)
         .join(User, User.id == Job.owner_id)
@@ -150,7 +160,7 @@ def workers_fingerprint(session: Session) -> int:
 @dataclass
 class ChangeState:
     """Where a changes poller is: the last job event read, the event ids still missing
-    (id -> when first missed), and the active jobs' (owner, version)."""
+    (id -> when first missed), and the active jobs' (project id, version)."""
 
     cursor: int = 0
     gaps: dict[int, float] = field(default_factory=dict)
@@ -158,8 +168,8 @@ class ChangeState:
 
 
 def _active_versions(session: Session) -> dict[str, tuple[int, int]]:
-    rows = session.execute(select(Job.id, Job.owner_id, Job.version).where(Job.state.in_(ACTIVE)))
-    return {job_id: (int(owner), int(version)) for job_id, owner, version in rows}
+    rows = session.execute(select(Job.id, Job.project_id, Job.version).where(Job.state.in_(ACTIVE)))
+    return {job_id: (int(project or 0), int(version)) for job_id, project, version in rows}
 
 
 def changes_start(session: Session) -> ChangeState:
@@ -171,15 +181,15 @@ def changes_start(session: Session) -> ChangeState:
 def _new_events(session: Session, state: ChangeState, now: float) -> dict[str, int]:
     gaps = list(state.gaps)
     rows = session.execute(
-        select(JobEvent.id, JobEvent.job_id, Job.owner_id)
+        select(JobEvent.id, JobEvent.job_id, Job.project_id)
         .join(Job, Job.id == JobEvent.job_id)
         .where(or_(JobEvent.id > state.cursor, JobEvent.id.in_(gaps)))
         .order_by(JobEvent.id)
         .limit(MAX_GAPS)
     ).all()
     changed: dict[str, int] = {}
-    for event_id, job_id, owner in rows:
-        changed[job_id] = int(owner)
+    for event_id, job_id, project in rows:
+        changed[job_id] = int(project or 0)
         state.gaps.pop(event_id, None)
         if event_id > state.cursor:
             missed = range(state.cursor + 1, min(event_id, state.cursor + 1 + MAX_GAPS))
@@ -192,14 +202,14 @@ def _new_events(session: Session, state: ChangeState, now: float) -> dict[str, i
 
 
 def changes_since(session: Session, state: ChangeState, now: float) -> dict[str, int]:
-    """The jobs (id -> owner id) that changed since `state`, which is moved on: those with
+    """The jobs (id -> project id, 0 for none) that changed since `state`, which is moved on: those with
     new job events, and the active jobs whose version moved (progress, metrics, attempts),
     started or stopped being active."""
     changed = _new_events(session, state, now)
     versions = _active_versions(session)
-    for job_id, (owner, version) in versions.items():
-        if state.versions.get(job_id, (owner, -1))[1] != version:
-            changed[job_id] = owner
+    for job_id, (project, version) in versions.items():
+        if state.versions.get(job_id, (project, -1))[1] != version:
+            changed[job_id] = project
     for job_id in state.versions.keys() - versions.keys():
         changed[job_id] = state.versions[job_id][0]
     state.versions = versions
@@ -222,3 +232,16 @@ def feed_head(session: Session, job_id: str) -> FeedCursor:
         )
         metric = max(metric, int(last or 0))
     return FeedCursor(int(event or 0), metric, int(ckpt or 0))
+
+
+def memberships(session: Session, user_ids: set[int]) -> dict[int, set[int]]:
+    """The project ids each of `user_ids` has a role in (the dashboard feed filters by them
+    on every poll, so a role given or taken is followed within a poll)."""
+    found: dict[int, set[int]] = {u: set() for u in user_ids}
+    if user_ids:
+        q = select(ProjectMember.user_id, ProjectMember.project_id).where(
+            ProjectMember.user_id.in_(user_ids)
+        )
+        for user_id, project_id in session.execute(q):
+            found[user_id].add(project_id)
+    return found

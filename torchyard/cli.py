@@ -48,6 +48,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "quota": ("torchyard.client.cli", "main", "show or set a user's quota (setting: admins)"),
     "queue": ("torchyard.client.cli", "main", "queued jobs in the order they would start"),
+    "project": (
+        "torchyard.client.cli",
+        "main",
+        "projects: `project create|list|show NAME`, `project add|remove NAME USER [--role R]`",
+    ),
+    "audit": (
+        "torchyard.client.cli",
+        "main",
+        "the audit trail: who changed what, when, from where (admins; project owners)",
+    ),
     "ui": (
         "torchyard.client.ui_cmd",
         "main",

@@ -24,12 +24,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SettingsDep
+from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SettingsDep, actor_of
 from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.schemas import BundleOut
 from torchyard.settings import Settings
 from torchyard.storage import Storage, storage_for
 from torchyard.storage.keys import BUNDLES
+from torchyard.store.audit import Actor, record
 from torchyard.store.bundlefiles import (
     BundleRejected,
     Manifest,
@@ -174,6 +175,7 @@ def _record(
     settings: Settings,
     owner_id: int,
     bundle: tuple[str, int, int],
+    actor: Actor,
 ) -> bool:
     """Write the owner's row (bundle: id, bytes, files); True when new. Over the quota
     (a concurrent upload took the room): 413, and the kept archive is removed when no row
@@ -190,6 +192,9 @@ def _record(
                 storage.delete(archive_key(bundle_id))
                 storage.delete(names_key(bundle_id))
             raise _over_quota(e) from None
+        if created:  # the same bytes again from the same user add nothing
+            details = {"bytes": size, "files": files}
+            record(session, actor, "bundle.upload", f"bundle:{bundle_id}", details)
         session.commit()
         return created
 
@@ -242,7 +247,8 @@ async def upload_bundle(
         # Gone already when it was kept; a refused, duplicate or broken upload ends here.
         await run_in_threadpool(tmp.unlink, missing_ok=True)
     bundle = (bundle_id, size, manifest.files)
-    created = await run_in_threadpool(_record, state.sessions, settings, user.id, bundle)
+    actor = actor_of(request, user)
+    created = await run_in_threadpool(_record, state.sessions, settings, user.id, bundle, actor)
     if not created:
         response.status_code = 200
     return BundleOut(id=bundle_id, bytes=size, files=manifest.files)

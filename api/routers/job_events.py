@@ -42,7 +42,8 @@ def _visible(factory: sessionmaker[Session], user: Principal, job_id: str) -> bo
         "(`GET /v1/jobs/{id}/logs`). The stream ends with an `end` event once the job has "
         "ended and everything was sent. A user may hold TORCHYARD_MAX_STREAMS_PER_USER "
         "streams open at once (429 with Retry-After past it); a stream ends within seconds "
-        "of its token being revoked or its dashboard session logged out."
+        "of its token being revoked, its dashboard session logged out, or the user's role in "
+        "the job's project taken away."
     ),
     responses={
         200: {"content": {"text/event-stream": {}}, "description": "the event stream"},
@@ -66,8 +67,14 @@ async def job_events(
         raise not_found()
     hub: FeedHub = request.app.state.feed_hub
     frames = hub.follow(job_id, cursor, request.app.state.feed_poll_s)
+    factory = request.app.state.read_sessions
+
+    async def still_visible() -> bool:  # a role taken away in the job's project ends it
+        return await run_in_threadpool(_visible, factory, user, job_id)
+
     return EventSourceResponse(
-        guarded_stream(request, user, frames),  # the user's stream cap (429), revocation
+        # the user's stream cap (429), revocation, the project's roles
+        guarded_stream(request, user, frames, still_visible),
         headers={"Cache-Control": "no-cache"},
         ping=PING_S,
     )

@@ -3,7 +3,7 @@ every rule, the store); this router reads the body, answers and wakes the schedu
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
 from sqlalchemy.engine import Engine
@@ -16,25 +16,32 @@ from torchyard.api.deps import (
     ReadSessionDep,
     SessionDep,
     SettingsDep,
+    actor_of,
     read_engine,
 )
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.jsonlimits import decode_body
+from torchyard.api.roles import require_role
 from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
 from torchyard.broker import app as broker
+from torchyard.contracts.spec import JOB_ID_RE
 from torchyard.scheduler import submit
 from torchyard.settings import Settings
 from torchyard.store.asyncreads import AsyncReads
+from torchyard.store.audit import Actor, record
 from torchyard.store.bundles import touch_bundles
 from torchyard.store.jobs import (
     BadCursor,
+    JobFilter,
     get_job,
     job_snapshot,
     job_version,
     list_jobs,
     request_cancel,
 )
+from torchyard.store.models import Job
+from torchyard.store.projects import effective_role, project_named
 from torchyard.store.states import STATES
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -54,6 +61,8 @@ def _submit(
     user: Principal,
     raw: bytes,
     key: str | None,
+    actor: Actor,
+    rerun_of: str | None = None,
 ) -> tuple[SubmittedJob, bool]:
     """The submit service (scheduler/submit.py) in one worker-thread hop: the body decoded
     (its depth bounded), checked on a read session (a reference lookup never takes SQLite's
@@ -64,10 +73,14 @@ def _submit(
     read_sessions, write_sessions = sessions
     with read_sessions() as reads:
         admitted = submit.Admission(reads, settings, user).admit(obj)
+        if rerun_of is not None and get_job(reads, user.viewer, rerun_of) is None:
+            raise validation_error([("rerun_of", f"no job {rerun_of} that you can see")])
     with write_sessions() as session:
-        done = submit.enqueue(session, admitted, key=key)
+        done = submit.enqueue(session, admitted, key=key, rerun_of=rerun_of)
         if done.created and done.spec.code is not None:
             touch_bundles(session, [done.spec.code.bundle])  # used: kept past the retention
+        if done.created:  # a replay of an Idempotency-Key stored nothing
+            _record_job(session, actor, "job.submit", done.job)
         session.commit()
         out = _snapshot_out(session, user, done.job.id)
         warnings = submit.warnings(session, settings, done.spec)
@@ -75,6 +88,12 @@ def _submit(
         **dict(out), warnings=[SpecWarning(field=f, message=m) for f, m in warnings]
     )
     return body, done.wake
+
+
+def _record_job(session: Session, actor: Actor, action: str, job: Job, **details: Any) -> None:
+    """An audit entry for a change of `job`, in the caller's transaction."""
+    details = {"name": job.name, "project_id": job.project_id, **details}
+    record(session, actor, action, f"job:{job.id}", details, project_id=job.project_id)
 
 
 def _snapshot_out(session: Session, user: Principal, job_id: str) -> JobOut:
@@ -129,13 +148,19 @@ async def submit_job(
             description="any client-chosen string; a retry with it returns the same job",
         ),
     ] = None,
+    rerun_of: Annotated[
+        str | None,
+        Query(pattern=JOB_ID_RE, description="the job this one re-runs (`torchyard rerun`)"),
+    ] = None,
 ) -> SubmittedJob:
     raw = await request.body()
     state = request.app.state  # read now: tests swap the sessions
     sessions = (state.read_sessions, state.sessions)
     # Decoding and checking the spec are CPU work bounded by the body's size: off the
     # event loop, with the store calls, in one thread hop.
-    job, wake = await run_in_threadpool(_submit, sessions, settings, user, raw, idempotency_key)
+    job, wake = await run_in_threadpool(
+        _submit, sessions, settings, user, raw, idempotency_key, actor_of(request, user), rerun_of
+    )
     if wake:
         background.add_task(broker.wake_scheduler, settings)
     else:  # the job first stored with this Idempotency-Key
@@ -147,8 +172,11 @@ async def submit_job(
     "",
     response_model=JobList,
     summary="List jobs",
-    description="Newest first; admins see every user's jobs. Follow `next_cursor` for more.",
-    responses=responses(401, 422, 503),
+    description="Newest first: the jobs of every project the caller has a role in (admins: "
+    "every job), archived ones left out unless `archived` says otherwise. Follow "
+    "`next_cursor` for more. `project` names a project the caller has a role in (404 "
+    "otherwise).",
+    responses=responses(401, 404, 422, 503),
 )
 def list_jobs_route(
     user: CurrentUser,
@@ -159,18 +187,42 @@ def list_jobs_route(
     ] = None,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    project: Annotated[
+        str | None, Query(max_length=101, description="only this project's jobs")
+    ] = None,
+    tag: Annotated[str | None, Query(max_length=64, description="only jobs with this tag")] = None,
+    archived: Annotated[
+        Literal["false", "true", "any"],
+        Query(description="archived jobs: left out (default), only them, or both"),
+    ] = "false",
 ) -> JobList:
     states = [s.strip() for v in state or [] for s in v.split(",") if s.strip()]
     bad = [s for s in states if s not in STATES]
     if bad:
         raise validation_error([("state", f"unknown state(s) {bad}; one of {list(STATES)}")])
+    only = JobFilter(
+        states=states,
+        project_id=_project_filter(session, user, project),
+        tag=tag,
+        archived=None if archived == "any" else archived == "true",
+    )
     try:
-        page, next_cursor = list_jobs(
-            session, user.viewer, states=states, cursor=cursor, limit=limit
-        )
+        page, next_cursor = list_jobs(session, user.viewer, cursor=cursor, limit=limit, only=only)
     except BadCursor as e:
         raise validation_error([("cursor", str(e))]) from None
-    return JobList(items=[job_summary(j, owner) for j, owner in page], next_cursor=next_cursor)
+    items = [job_summary(j, owner, proj) for j, owner, proj in page]
+    return JobList(items=items, next_cursor=next_cursor)
+
+
+def _project_filter(session: Session, user: Principal, name: str | None) -> int | None:
+    """The id of the project named in ?project=, or 404 when the caller has no role in it
+    (the same answer whether it exists or not)."""
+    if name is None:
+        return None
+    project = project_named(session, name)
+    if project is None or effective_role(session, user.id, user.is_admin, project.id) is None:
+        raise not_found("project")
+    return project.id
 
 
 CONDITIONAL = {
@@ -260,11 +312,13 @@ def _shown(job_id: str, row: dict[str, Any] | None) -> tuple[str, bytes] | None:
     summary="Cancel a job",
     description="A queued job is cancelled at once; a starting or running one goes to "
     "`cancelling` and its worker stops the trainer. Idempotent; 409 for a job that has "
-    "already succeeded or failed.",
-    responses=responses(401, 404, 409, 503),
+    "already succeeded or failed. Needs the role member or owner in the job's project "
+    "(a viewer gets 403).",
+    responses=responses(401, 403, 404, 409, 503),
 )
 def cancel_job(
     job_id: str,
+    request: Request,
     user: CurrentUser,
     session: SessionDep,
     settings: SettingsDep,
@@ -274,8 +328,11 @@ def cancel_job(
     if found is None:
         raise not_found()
     job = found[0]
+    require_role(session, user, job.project_id, "member", "cancel a job")
     before = job.state
     request_cancel(session, job)
+    if job.state != before:  # a cancel of a cancelled job changed nothing
+        _record_job(session, actor_of(request, user), "job.cancel", job, state=before)
     session.commit()
     if job.state != before:
         background.add_task(broker.wake_scheduler, settings)

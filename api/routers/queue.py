@@ -16,6 +16,7 @@ from torchyard.scheduler.cycle import QueueEntry, queue_order
 from torchyard.scheduler.fairshare import FairShare
 from torchyard.store.dialect import db_now
 from torchyard.store.inventory import job_names, queued_by_owner, users_by_id
+from torchyard.store.projects import visible_job_ids
 from torchyard.store.quotas import quota_of
 from torchyard.store.usage import usage_by_user
 
@@ -52,7 +53,11 @@ def queue_route(
         session, settings.fairshare_half_life_s, settings.heartbeat_timeout_s, per_user=per_user
     )
     counts = queued_by_owner(session)
-    shown = entries if user.is_admin else [e for e in entries if e.job.owner_id == user.id]
+    if user.is_admin:
+        shown = entries
+    else:  # the queued jobs of the caller's projects
+        seen = set(visible_job_ids(session, user.id, (e.job.id for e in entries)))
+        shown = [e for e in entries if e.job.id in seen]
     shown = shown[:limit]
     usage_s = {e.job.owner_id: e.usage_s for e in entries}
     owners = set(usage_s) if user.is_admin else {user.id}

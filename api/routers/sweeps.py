@@ -17,9 +17,17 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, SettingsDep
+from torchyard.api.deps import (
+    CurrentUser,
+    Principal,
+    ReadSessionDep,
+    SessionDep,
+    SettingsDep,
+    actor_of,
+)
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.jsonlimits import decode_body
+from torchyard.api.roles import require_role
 from torchyard.api.sweep_importance import sweep_importances
 from torchyard.api.sweep_schemas import (
     ImportancesOut,
@@ -34,8 +42,10 @@ from torchyard.contracts.specerrors import MAX_LISTED, without_excess_unknown
 from torchyard.scheduler import space as sp
 from torchyard.scheduler import submit
 from torchyard.settings import Settings
+from torchyard.store.audit import Actor, record
 from torchyard.store.bundles import sweep_bundles, touch_bundles
 from torchyard.store.jobs import BadCursor
+from torchyard.store.models import Sweep
 from torchyard.store.sweeps import (
     SWEEP_STATES,
     NewSweep,
@@ -145,6 +155,8 @@ def _checked(
             problems = _objective_problems(s, spec) + _corner_problems(check, s.spec, s.space)
     if problems or spec is None:
         raise validation_error(problems, "sweep")
+    with factory() as session:
+        project_id = submit.Admission(session, settings, user).project_id(spec.project)
     trials = min(s.trials, sp.grid_size(s.space)) if s.sampler == "grid" else s.trials
     space = {k: p.model_dump(mode="json") for k, p in s.space.items()}
     return NewSweep(
@@ -158,15 +170,27 @@ def _checked(
         sampler=s.sampler,
         pruner=s.pruner,
         seed=spec.seed if s.seed is None else s.seed,
+        project_id=project_id,
     )
 
 
-def _store(factory: sessionmaker[Session], user: Principal, new: NewSweep) -> SweepOut:
+def _store(
+    factory: sessionmaker[Session], user: Principal, new: NewSweep, actor: Actor
+) -> SweepOut:
     with factory() as session:
         sweep = create_sweep(session, user.id, new)
         touch_bundles(session, sweep_bundles(new.spec, new.space))  # kept past the retention
+        _record_sweep(session, actor, "sweep.create", sweep, trials=new.max_trials)
         session.commit()
         return _out(session, user, sweep.id)
+
+
+def _record_sweep(
+    session: Session, actor: Actor, action: str, sweep: Sweep, **details: Any
+) -> None:
+    """An audit entry for a change of `sweep`, in the caller's transaction."""
+    details = {"name": sweep.name, "project_id": sweep.project_id, **details}
+    record(session, actor, action, f"sweep:{sweep.id}", details, project_id=sweep.project_id)
 
 
 def _out(session: Session, user: Principal, sweep_id: str) -> SweepOut:
@@ -195,7 +219,8 @@ async def create_sweep_route(
     raw = await request.body()
     # Decoding and every check are CPU work bounded by the body's size: off the event loop.
     new = await run_in_threadpool(_checked, request.app.state.read_sessions, settings, user, raw)
-    out = await run_in_threadpool(_store, request.app.state.sessions, user, new)
+    actor = actor_of(request, user)
+    out = await run_in_threadpool(_store, request.app.state.sessions, user, new, actor)
     background.add_task(broker.wake_scheduler, settings)
     return out
 
@@ -273,11 +298,13 @@ async def importances_route(
     response_model=SweepOut,
     summary="Cancel a sweep",
     description="No new trial starts; trials queued are cancelled at once, running ones "
-    "stop (their checkpoints are kept). Idempotent.",
-    responses=responses(401, 404, 503),
+    "stop (their checkpoints are kept). Idempotent. Needs the role member or owner in "
+    "the sweep's project (a viewer gets 403).",
+    responses=responses(401, 403, 404, 503),
 )
 def cancel_sweep_route(
     sweep_id: str,
+    request: Request,
     user: CurrentUser,
     session: SessionDep,
     settings: SettingsDep,
@@ -286,7 +313,10 @@ def cancel_sweep_route(
     sweep = get_sweep(session, user.viewer, sweep_id)
     if sweep is None:
         raise not_found("sweep")
+    require_role(session, user, sweep.project_id, "member", "cancel a sweep")
     changed = cancel_sweep(session, sweep)
+    if changed:  # cancelling an ended sweep changes nothing
+        _record_sweep(session, actor_of(request, user), "sweep.cancel", sweep)
     session.commit()
     if changed:
         background.add_task(broker.wake_scheduler, settings)

@@ -16,12 +16,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import AdminUser, CurrentUser, ReadSessionDep, TokenCache
+from torchyard.api.deps import AdminUser, CurrentUser, ReadSessionDep, TokenCache, actor_of
 from torchyard.api.errors import not_found, responses
-from torchyard.store.auth import TokenInfo, issue_token, list_tokens, revoke_token
+from torchyard.store.audit import Actor, changed, record
+from torchyard.store.auth import TokenInfo, issue_token, list_tokens, revoke_token, user_named
+from torchyard.store.models import ApiToken, User
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
@@ -90,9 +93,11 @@ def list_tokens_route(user: CurrentUser, session: ReadSessionDep, response: Resp
     return TokenList(items=[_out(r) for r in rows], next_cursor=None)
 
 
-def _create(factory: sessionmaker[Session], body: TokenIn) -> TokenCreated:
+def _create(factory: sessionmaker[Session], body: TokenIn, actor: Actor) -> TokenCreated:
     with factory() as session:
+        before = _grants(user_named(session, body.user))
         row, secret = issue_token(session, body.user, body.admin, body.can_run_code, body.label)
+        _record_create(session, actor, body, row.id, before)
         session.commit()
         return TokenCreated(
             id=row.id,
@@ -102,6 +107,24 @@ def _create(factory: sessionmaker[Session], body: TokenIn) -> TokenCreated:
             created_at=row.created_at,
             token=secret,
         )
+
+
+def _grants(user: User | None) -> dict[str, bool] | None:
+    return None if user is None else {"admin": user.is_admin, "can_run_code": user.can_run_code}
+
+
+def _record_create(
+    session: Session, actor: Actor, body: TokenIn, token_id: int, before: dict[str, bool] | None
+) -> None:
+    """The audit entries of a token made (never its secret) and of what it granted its
+    user: `user.create` for a new user, `user.grant` for a raised permission."""
+    details = body.model_dump(include={"user", "admin", "can_run_code", "label"})
+    record(session, actor, "token.create", f"token:{token_id}", details)
+    after = _grants(user_named(session, body.user)) or {}
+    if before is None:
+        record(session, actor, "user.create", f"user:{body.user}", after)
+    elif (grant := changed(before, after)) is not None:
+        record(session, actor, "user.grant", f"user:{body.user}", grant)
 
 
 @router.post(
@@ -117,16 +140,24 @@ def _create(factory: sessionmaker[Session], body: TokenIn) -> TokenCreated:
 async def create_token_route(
     request: Request, user: AdminUser, body: Annotated[TokenIn, Body()], response: Response
 ) -> TokenCreated:
-    del user  # an admin: checked before the body is read
-    response.headers.update(NO_STORE)
-    return await run_in_threadpool(_create, request.app.state.sessions, body)
+    response.headers.update(NO_STORE)  # the caller is an admin: checked before the body
+    actor = actor_of(request, user)
+    return await run_in_threadpool(_create, request.app.state.sessions, body, actor)
 
 
 def _revoke(
-    factory: sessionmaker[Session], token_id: int, owner: int | None
+    factory: sessionmaker[Session], token_id: int, owner: int | None, actor: Actor
 ) -> tuple[str, list[str]] | None:
     with factory() as session:
+        live = session.execute(
+            select(User.name, ApiToken.label)
+            .join(User, User.id == ApiToken.user_id)
+            .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+        ).first()
         revoked = revoke_token(session, token_id, owner)
+        if revoked is not None and live is not None:  # revoking again changes nothing
+            details = {"user": live.name, "label": live.label}
+            record(session, actor, "token.revoke", f"token:{token_id}", details)
         session.commit()
         return revoked
 
@@ -144,7 +175,8 @@ async def revoke_token_route(
     request: Request, user: CurrentUser, token_id: Annotated[int, Path(ge=1, le=2**31 - 1)]
 ) -> Response:
     owner = None if user.is_admin else user.id
-    revoked = await run_in_threadpool(_revoke, request.app.state.sessions, token_id, owner)
+    actor = actor_of(request, user)
+    revoked = await run_in_threadpool(_revoke, request.app.state.sessions, token_id, owner, actor)
     if revoked is None:
         raise not_found("token")
     token_hash, sessions = revoked

@@ -24,8 +24,16 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import SESSION_COOKIE, CurrentUser, Principal, TokenCache
+from torchyard.api.deps import (
+    SESSION_COOKIE,
+    CurrentUser,
+    Principal,
+    TokenCache,
+    actor_of,
+    client_address,
+)
 from torchyard.api.errors import ApiError, responses
+from torchyard.store.audit import Actor, record
 from torchyard.store.auth import hash_token
 from torchyard.store.uisessions import (
     LINK_TTL_S,
@@ -190,9 +198,10 @@ async def make_login_link(request: Request, user: CurrentUser) -> LoginLink:
 
 
 def _open_session(
-    factory: sessionmaker[Session], token: str | None, login: str | None
+    factory: sessionmaker[Session], token: str | None, login: str | None, client: str | None
 ) -> tuple[str, Any] | None:
-    """(session secret, its user), from a login secret or a token; None: refused."""
+    """(session secret, its user), from a login secret or a token; None: refused. The
+    login is in the audit trail, as who logged in, with what, from where."""
     with factory() as session:
         token_id = (
             redeem_login_link(session, login) if login else token_id_for(session, token or "")
@@ -201,8 +210,15 @@ def _open_session(
             session.rollback()
             return None
         secret = create_session(session, token_id)
+        user = user_for_session(session, secret)
+        if user is None:  # the token was revoked in between: no session, no entry
+            session.rollback()
+            return None
+        actor = Actor(user.id, user.name, client)
+        details = {"via": "login link" if login else "token", "token_id": token_id}
+        record(session, actor, "auth.login", f"user:{user.name}", details)
         session.commit()
-        return secret, user_for_session(session, secret)
+        return secret, user
 
 
 @router.post(
@@ -225,7 +241,9 @@ async def open_session(
     token = _bearer_token(request)
     if not body.login and token is None:
         raise ApiError(401, "give a login link's secret or a token", headers=WWW_AUTH)
-    opened = await run_in_threadpool(_open_session, request.app.state.sessions, token, body.login)
+    opened = await run_in_threadpool(
+        _open_session, request.app.state.sessions, token, body.login, client_address(request)
+    )
     if opened is None or opened[1] is None:
         what = "login link expired or already used" if body.login else "unknown or revoked token"
         raise ApiError(401, what + ": log in again", headers=WWW_AUTH)
@@ -265,9 +283,12 @@ def _session_out(user: Principal, csrf: str | None) -> SessionOut:
     )
 
 
-def _end(factory: sessionmaker[Session], secret: str) -> None:
+def _end(factory: sessionmaker[Session], secret: str, actor: Actor) -> None:
     with factory() as session:
+        live = user_for_session(session, secret) is not None
         end_session(session, secret)
+        if live:  # a cookie of an ended session ends nothing
+            record(session, actor, "auth.logout", f"user:{actor.name}")
         session.commit()
 
 
@@ -279,11 +300,10 @@ def _end(factory: sessionmaker[Session], secret: str) -> None:
     responses=responses(401, 403, 503),
 )
 async def log_out(request: Request, user: CurrentUser) -> Response:
-    del user
     out = Response(status_code=204)
     cookie = request.cookies.get(SESSION_COOKIE)
     if cookie:
-        await run_in_threadpool(_end, request.app.state.sessions, cookie)
+        await run_in_threadpool(_end, request.app.state.sessions, cookie, actor_of(request, user))
         cache: TokenCache = request.app.state.token_cache
         cache.drop("session:" + hash_token(cookie))
     out.delete_cookie(

@@ -44,6 +44,7 @@ class TableRow(BaseModel):
     latest: dict[str, float | None] = Field(description="train/loss and val/accuracy, when recorded")  # fmt: skip
     pending_reason: str | None
     sweep_id: str | None
+    tags: list[str] = Field(default=[], description="its tags (PATCH /v1/jobs/{id})")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -73,7 +74,7 @@ def _row(r: dict[str, Any]) -> TableRow:
     response_model=TablePage,
     summary="The dashboard's jobs table",
     description="Newest first; admins see every user's jobs. `q` matches the name, the start "
-    "of the id, and for admins the owner.",
+    "of the id, and for admins the owner; `tag` keeps the jobs with that tag.",
     responses=responses(401, 422, 503),
 )
 def jobs_table(
@@ -81,6 +82,7 @@ def jobs_table(
     session: ReadSessionDep,
     state: Annotated[list[str] | None, Query()] = None,
     q: Annotated[str | None, Query(max_length=200)] = None,
+    tag: Annotated[str | None, Query(max_length=64)] = None,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> TablePage:
@@ -89,9 +91,12 @@ def jobs_table(
     if bad:
         raise validation_error([("state", f"unknown state(s) {bad}; one of {list(STATES)}")])
     text = (q or "").strip() or None
-    counts = state_counts(session, user.viewer, text)
+    tag = (tag or "").strip() or None
+    counts = state_counts(session, user.viewer, text, tag)
     total = sum(n for s, n in counts.items() if not states or s in states)
-    rows = table_page(session, user.viewer, states=states, text=text, offset=offset, limit=limit)
+    rows = table_page(
+        session, user.viewer, states=states, text=text, tag=tag, offset=offset, limit=limit
+    )
     return TablePage(items=[_row(r) for r in rows], total=total, counts=counts)
 
 

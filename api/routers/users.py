@@ -8,10 +8,18 @@ from fastapi import APIRouter, BackgroundTasks, Path, Request
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import AdminUser, CurrentUser, Principal, ReadSessionDep, SettingsDep
+from torchyard.api.deps import (
+    AdminUser,
+    CurrentUser,
+    Principal,
+    ReadSessionDep,
+    SettingsDep,
+    actor_of,
+)
 from torchyard.api.errors import ApiError, not_found, responses
 from torchyard.api.schemas import QuotaIn, QuotaOut
 from torchyard.broker import app as broker
+from torchyard.store.audit import Actor, changed, record
 from torchyard.store.auth import user_named
 from torchyard.store.models import User
 from torchyard.store.quotas import quota_of, set_quota
@@ -56,12 +64,18 @@ def get_quota_route(name: UserName, user: CurrentUser, session: ReadSessionDep) 
     return _quota_out(found)
 
 
-def _store_quota(factory: sessionmaker[Session], name: str, changes: dict[str, Any]) -> QuotaOut:
+def _store_quota(
+    factory: sessionmaker[Session], name: str, changes: dict[str, Any], actor: Actor
+) -> QuotaOut:
     with factory() as session:
         found = user_named(session, name)
         if found is None:
             raise not_found(f"user {name!r}")
-        set_quota(session, found, changes)
+        before = quota_of(found).as_dict()
+        after = set_quota(session, found, changes).as_dict()
+        details = changed(before, after)
+        if details is not None:  # fields set to the values they had are no change
+            record(session, actor, "user.quota", f"user:{name}", details)
         session.commit()
         return _quota_out(found)
 
@@ -91,8 +105,9 @@ async def put_quota_route(
     background: BackgroundTasks,
 ) -> QuotaOut:
     changes = body.model_dump(include=body.model_fields_set)
+    target, actor = _target(user, name), actor_of(request, user)
     quota = await run_in_threadpool(
-        _store_quota, request.app.state.sessions, _target(user, name), changes
+        _store_quota, request.app.state.sessions, target, changes, actor
     )
     if changes:  # a raised max_workers, share or max_priority may let a waiting job start
         background.add_task(broker.wake_scheduler, settings)

@@ -5,14 +5,13 @@ shows as null: the worker is busy, with nothing that names whose work it is)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from torchyard.api.deps import CurrentUser, ReadSessionDep
 from torchyard.api.errors import responses
 from torchyard.api.schemas import WorkerList, WorkerOut
 from torchyard.store.inventory import list_workers
-from torchyard.store.models import Job
+from torchyard.store.projects import visible_job_ids
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
@@ -37,8 +36,5 @@ def list_workers_route(user: CurrentUser, session: ReadSessionDep) -> WorkerList
 
 
 def _own_jobs(session: Session, user_id: int, job_ids: set[str | None]) -> set[str | None]:
-    """Which of `job_ids` belong to the user (one indexed query)."""
-    if not job_ids:
-        return set()
-    rows = session.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.owner_id == user_id))
-    return set(rows)
+    """Which of `job_ids` the user may see: those of their projects (one indexed query)."""
+    return set(visible_job_ids(session, user_id, job_ids))

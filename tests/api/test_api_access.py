@@ -40,7 +40,13 @@ def test_the_tables_cover_the_design_routes() -> None:
         "/healthz", "/readyz", "/metrics",
     ):  # fmt: skip
         assert p in paths
-    assert len(JOB_ROUTES) == 8  # the 7 above and the dashboard's stream-start
+    for m, p in (
+        ("PATCH", "/v1/jobs/{job_id}"), ("DELETE", "/v1/jobs/{job_id}"),
+        ("POST", "/v1/jobs/{job_id}/archive"), ("POST", "/v1/jobs/{job_id}/unarchive"),
+    ):  # fmt: skip
+        assert (m, p) in ROUTES
+    # the 7 above, the dashboard's stream-start, and the 4 of organising a job
+    assert len(JOB_ROUTES) == 12
 
 
 BAD_AUTH = [None, "Bearer ty_not-a-real-token", "Basic YWxpY2U6eA==", "Bearer ", "ty_no-scheme"]
@@ -82,7 +88,7 @@ def test_another_users_job_is_404_on_every_job_route(
     path: str,
 ) -> None:
     job_id = factory.job("alice", state="succeeded")
-    kw: dict[str, Any] = {"json": {}} if method == "POST" else {}
+    kw: dict[str, Any] = {"json": {}} if method in ("POST", "PATCH") else {}
     r = client.request(method, _fill(path, job_id), headers=bob, **kw)
     assert r.status_code == 404, (method, path, r.text)
     assert r.json()["error"]["code"] == "not_found"

@@ -81,9 +81,9 @@ def test_visibility_and_paging(session: Session, factory: Factory) -> None:
     assert jobs.get_job(session, alice, mine[0]) is not None
     assert jobs.get_job(session, root, theirs) is not None
     page, cursor = jobs.list_jobs(session, alice, limit=2)
-    assert [j.id for j, _ in page] == mine[::-1][:2] and cursor
+    assert [j.id for j, *_ in page] == mine[::-1][:2] and cursor
     page2, cursor2 = jobs.list_jobs(session, alice, limit=2, cursor=cursor)
-    assert [j.id for j, _ in page2] == [mine[0]] and cursor2 is None
+    assert [j.id for j, *_ in page2] == [mine[0]] and cursor2 is None
     with pytest.raises(jobs.BadCursor):
         jobs.list_jobs(session, alice, cursor="Zm9v")
 

@@ -107,3 +107,69 @@ def test_metric_keys_compare_bytewise_and_reference_nothing(empty_url: str) -> N
                 assert model.collation == ("C" if postgres else None)  # type: ignore[attr-defined]
     finally:
         engine.dispose()
+
+
+def _rows(url: str, sql: str) -> list[tuple[object, ...]]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as c:
+            return [tuple(r) for r in c.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
+def _run(url: str, *statements: str) -> None:
+    engine = make_engine(url)
+    try:
+        with engine.begin() as c:
+            for sql in statements:
+                c.execute(text(sql))
+    finally:
+        engine.dispose()
+
+
+def test_projects_migration_moves_existing_jobs_and_sweeps(empty_url: str) -> None:
+    """Migration 0016 on a database that has users, jobs and a sweep: each user gets a
+    personal project `~<name>` they own, each job and sweep lands in its owner's; the audit
+    trail refuses UPDATE and DELETE; a downgrade keeps the jobs."""
+    migrate.upgrade(empty_url, "0015")
+    now = "'2026-11-01 10:00:00+00:00'"
+    _run(
+        empty_url,
+        f"INSERT INTO users (id, name, is_admin, can_run_code, share, created_at) VALUES "
+        f"(1, 'alice', false, false, 1, {now}), (2, 'bob', true, false, 1, {now})",
+        *(
+            f"INSERT INTO jobs (id, owner_id, name, spec, world_size, priority, preemptible, "
+            f"max_restarts, state, attempt, cancel_requested, created_at, updated_at, version) "
+            f"VALUES ('{jid}', {owner}, 'j', '{{}}', 1, 0, true, 2, 'succeeded', 1, false, "
+            f"{now}, {now}, 0)"
+            for jid, owner in (("a" * 32, 1), ("b" * 32, 2), ("c" * 32, 1))
+        ),
+        f"INSERT INTO sweeps (id, owner_id, name, spec, space, metric, mode, max_trials, "
+        f"parallel, sampler, pruner, seed, state, created_at, updated_at) VALUES "
+        f"('{'d' * 32}', 2, 's', '{{}}', '{{}}', 'val/loss', 'min', 1, 1, 'random', 'none', 0, "
+        f"'running', {now}, {now})",
+    )
+    migrate.upgrade(empty_url)
+    projects = _rows(empty_url, "SELECT id, name, personal_of FROM projects ORDER BY name")
+    assert [(n, u) for _, n, u in projects] == [("~alice", 1), ("~bob", 2)]
+    ids = {u: i for i, _, u in projects}
+    members = _rows(empty_url, "SELECT project_id, user_id, role FROM project_members")
+    assert sorted(members) == sorted([(ids[1], 1, "owner"), (ids[2], 2, "owner")])
+    jobs = _rows(empty_url, "SELECT id, project_id, tags FROM jobs ORDER BY id")
+    assert [(j[:1], p) for j, p, _ in jobs] == [("a", ids[1]), ("b", ids[2]), ("c", ids[1])]
+    assert all(t in ([], "[]") for _, _, t in jobs)  # the JSON default, as text on SQLite
+    assert _rows(empty_url, "SELECT project_id FROM sweeps") == [(ids[2],)]
+    _run(
+        empty_url,
+        "INSERT INTO audit_log (time, user_name, action, target, details) "
+        f"VALUES ({now}, 'bob', 'job.cancel', 'job:x', '{{}}')",
+    )
+    for sql in ("UPDATE audit_log SET action = 'x'", "DELETE FROM audit_log"):
+        with pytest.raises(Exception, match="append-only"):
+            _run(empty_url, sql)
+    assert _rows(empty_url, "SELECT action FROM audit_log") == [("job.cancel",)]
+    migrate.downgrade(empty_url, "0015")
+    assert len(_rows(empty_url, "SELECT id FROM jobs")) == 3
+    migrate.upgrade(empty_url)
+    assert _diff(empty_url) == []

@@ -20,6 +20,7 @@ from torchyard.store.db import session_scope
 from torchyard.store.jobs import create_job
 from torchyard.store.metrics import ingest_metrics
 from torchyard.store.models import Job, Sweep, SweepTrial, User, utcnow
+from torchyard.store.projects import personal_project_id
 from torchyard.store.states import transition
 from torchyard.store.sweeps import optuna_storage
 
@@ -66,8 +67,10 @@ def long_curve_job(
 def many_jobs(session: Session, user_id: int, count: int, prefix: str = "bulk") -> None:
     """`count` succeeded jobs in one bulk insert (a table's worth of history)."""
     now = utcnow()
+    project_id = personal_project_id(session, user_id)
     rows = [
-        {"id": f"{i:08x}{'b' * 24}", "owner_id": user_id, "name": f"{prefix}-{i}",
+        {"id": f"{i:08x}{'b' * 24}", "owner_id": user_id, "project_id": project_id,
+         "name": f"{prefix}-{i}",
          "spec": {**SPEC, "name": f"{prefix}-{i}"}, "world_size": 1, "priority": 0,
          "preemptible": True, "max_restarts": 2, "state": "succeeded", "attempt": 1,
          "cancel_requested": False, "created_at": now - timedelta(seconds=count - i),

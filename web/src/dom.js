@@ -118,13 +118,14 @@ export function throttle(fn, ms) {
 }
 
 // The cancel confirmation of the job and sweep pages: `question` (nodes) with "Keep running"
-// and `label`; on confirm POST `path`, show an error in `errorsIn`, then `after()`.
-export function confirmCancel(dialog, { question, label, path, errorsIn, after, post }) {
+// (or `keep`) and `label`; on confirm `post(path)`, show an error in `errorsIn`, then
+// `after()`. A job's delete asks the same way.
+export function confirmCancel(dialog, { question, label, path, errorsIn, after, post, keep = "Keep running" }) {
   replace(dialog,
     h("form", { method: "dialog" },
       h("p", {}, ...question),
       h("div", { class: "buttons" },
-        h("button", { value: "keep", id: "keep-running" }, "Keep running"),
+        h("button", { value: "keep", id: "keep-running" }, keep),
         h("button", { value: "cancel", class: "danger", id: "confirm" }, label))));
   dialog.onclose = async () => {
     if (dialog.returnValue !== "cancel") return;

@@ -1,10 +1,12 @@
 // One job: state and attempts (with their causes), pending reason, progress, one chart per
 // metric group (live while it runs), the log (followed while it runs), checkpoints with
 // their download links, Cancel, and the spec. Live through the job's own event stream.
+// Its tags, notes, archive, delete and re-run: job_organise.js.
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, metricGroups } from "../chart.js";
 import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { ATTEMPT, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
+import { headActions, organiser } from "./job_organise.js";
 
 const LOG_TAIL = 256 * 1024;
 const LOG_END = "4611686018427387904"; // 2**62, the largest offset: the answer is the size
@@ -16,7 +18,7 @@ function cause(a) {
   return a.reason || "";
 }
 
-export async function jobPage(root, { params }) {
+export async function jobPage(root, { params, navigate }) {
   const id = params[0];
   let start;
   try {
@@ -31,7 +33,8 @@ export async function jobPage(root, { params }) {
     checkpoints: h("section", {}), logs: h("pre", { class: "log", id: "log" }), spec: h("pre", { class: "spec", id: "spec" }),
   };
   const dialog = h("dialog", { id: "confirm-cancel" });
-  replace(root, parts.head, parts.info, parts.charts, parts.attempts, parts.checkpoints,
+  const org = organiser(id, () => refreshJob());
+  replace(root, parts.head, parts.info, org.el, parts.charts, parts.attempts, parts.checkpoints,
     h("section", {}, h("h2", {}, "Log"), parts.logs), h("section", {}, h("h2", {}, "Spec"), parts.spec), dialog);
 
   const charts = new Map(); // group title -> MetricChart
@@ -39,7 +42,7 @@ export async function jobPage(root, { params }) {
 
   async function refreshJob() {
     job = await api(jobPath(id));
-    renderHead(); renderInfo(); renderAttempts();
+    renderHead(); renderInfo(); renderAttempts(); org.update(job);
     parts.spec.textContent = JSON.stringify(job.spec, null, 2);
     ensureCharts(Object.keys(job.latest_metrics));
     root.dataset.state = job.state;
@@ -51,7 +54,8 @@ export async function jobPage(root, { params }) {
       ? h("button", { class: "danger", id: "cancel", onclick: confirmCancel }, "Cancel…") : null;
     replace(parts.head,
       h("div", {}, h("h1", { id: "job-name" }, job.name), h("div", { class: "muted mono small" }, job.id)),
-      h("div", { class: "head-right" }, h("span", { id: "job-state" }, stateBadge(job.state)), cancel));
+      h("div", { class: "head-right" }, h("span", { id: "job-state" }, stateBadge(job.state)), cancel,
+        headActions(job, { dialog, errorsIn: parts.head, refresh: () => refreshJob().catch(() => {}), navigate })));
   }
 
   function renderInfo() {
@@ -63,6 +67,7 @@ export async function jobPage(root, { params }) {
       : queued ? h("span", { class: "muted", id: "pending-none" }, pendingText(null)) : null;
     const rows = [
       ["owner", job.owner], ["attempt", `${job.attempt} (max restarts ${job.max_restarts})`],
+      job.rerun_of ? ["re-run of", link(`/jobs/${job.rerun_of}`, h("span", { class: "mono", id: "rerun-of" }, job.rerun_of.slice(0, 12)))] : null,
       !queued || (p && p.step != null) ? ["progress", progressCell(p, job.state)] : null,
       p && p.samples_per_s ? ["speed", `${Math.round(p.samples_per_s).toLocaleString()} samples/s`] : null,
       waiting ? ["waiting because", waiting] : null,

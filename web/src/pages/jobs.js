@@ -1,8 +1,10 @@
 // The jobs table: a server-side page of at most PAGE rows (so 10,000 jobs cost what 100
-// do), filtered by state and text, reloaded whenever the jobs stream says a job changed.
+// do), filtered by state, text and tag (a click on a job's tag), reloaded whenever the jobs
+// stream says a job changed.
 import { api, query, serverNow, stream } from "../api.js";
 import { fmtAge, fmtNum, h, link, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { JOB_STATES as STATES } from "../states.gen.js";
+import { tagChips } from "./job_organise.js";
 
 const PAGE = 100;
 
@@ -10,6 +12,7 @@ export function jobsPage(root, { search, session, navigate }) {
   const view = {
     states: (search.get("state") || "").split(",").filter((s) => STATES.includes(s)),
     q: search.get("q") || "",
+    tag: search.get("tag") || "",
     page: Math.max(0, parseInt(search.get("page") || "0", 10) || 0),
     selected: new Set(),
     rows: [],
@@ -19,12 +22,13 @@ export function jobsPage(root, { search, session, navigate }) {
   const searchBox = h("input", { type: "search", id: "job-filter", placeholder: "filter by name or id" + (admin ? " or owner" : ""), value: view.q });
   const compareBtn = h("button", { id: "compare", disabled: true, onclick: () => navigate(`/compare?jobs=${[...view.selected].join(",")}`) }, "Compare");
   const pager = h("span", { class: "pager" });
+  const tagFilter = h("span", { id: "tag-filter" });
   const tbody = h("tbody", {});
   const status = h("span", { class: "muted small", id: "live" }, "");
   const heads = ["", "name", admin ? "owner" : null, "state", "progress", "train/loss", "val/accuracy", "workers", "age"].filter((x) => x !== null);
   const table = h("table", { class: "jobs", id: "jobs-table" }, h("thead", {}, h("tr", {}, heads.map((t) => h("th", {}, t)))), tbody);
   replace(root,
-    h("div", { class: "toolbar" }, chips, searchBox, compareBtn, status, pager),
+    h("div", { class: "toolbar" }, chips, searchBox, tagFilter, compareBtn, status, pager),
     h("div", { class: "table-wrap" }, table));
 
   let loading = false, dirty = false;
@@ -32,9 +36,10 @@ export function jobsPage(root, { search, session, navigate }) {
     if (loading) { dirty = true; return; }
     loading = true;
     try {
-      const body = await api("/v1/ui/jobs" + query({ state: view.states.join(","), q: view.q, offset: view.page * PAGE, limit: PAGE }));
+      const body = await api("/v1/ui/jobs" + query({ state: view.states.join(","), q: view.q, tag: view.tag, offset: view.page * PAGE, limit: PAGE }));
       view.rows = body.items;
       renderChips(body.counts);
+      renderTagFilter();
       renderRows();
       renderPager(body.total);
       root.dataset.loaded = String((parseInt(root.dataset.loaded || "0", 10) || 0) + 1);
@@ -48,7 +53,7 @@ export function jobsPage(root, { search, session, navigate }) {
   const reload = throttle(load, 500);
 
   function keepUrl() {
-    const q = query({ state: view.states.join(","), q: view.q, page: view.page || null });
+    const q = query({ state: view.states.join(","), q: view.q, tag: view.tag, page: view.page || null });
     history.replaceState(null, "", "/" + q);
   }
 
@@ -72,7 +77,8 @@ export function jobsPage(root, { search, session, navigate }) {
       } });
       return h("tr", { dataset: { id: j.id, state: j.state } },
         h("td", {}, box),
-        h("td", { class: "name" }, link(`/jobs/${j.id}`, j.name), h("div", { class: "muted small mono" }, j.id.slice(0, 12))),
+        h("td", { class: "name" }, link(`/jobs/${j.id}`, j.name), h("div", { class: "muted small mono" }, j.id.slice(0, 12)),
+          j.tags && j.tags.length ? h("div", { class: "jtags" }, tagChips(j.tags, { onClick: filterTag })) : null),
         admin ? h("td", {}, j.owner) : null,
         h("td", {}, stateBadge(j.state), j.attempt > 1 ? h("span", { class: "muted small" }, ` #${j.attempt}`) : null),
         h("td", {}, progressCell(j.progress, j.state, j.pending_reason)),
@@ -81,6 +87,16 @@ export function jobsPage(root, { search, session, navigate }) {
         h("td", { class: "small" }, workersCell(j.world_size, j.workers)),
         h("td", { class: "age", dataset: { t: j.created_at } }, fmtAge((serverNow() - Date.parse(j.created_at)) / 1000)));
     }));
+  }
+
+  function filterTag(tag) {
+    view.tag = tag; view.page = 0; keepUrl(); load();
+  }
+
+  function renderTagFilter() {
+    replace(tagFilter, view.tag
+      ? h("span", { class: "chip on" }, `tag: ${view.tag} `, h("button", { class: "link-button", id: "clear-tag", title: "every tag", onclick: () => filterTag("") }, "×"))
+      : null);
   }
 
   function renderAges() {

@@ -1,9 +1,10 @@
 // Submit a spec: paste or upload JSON or YAML. Each problem (the YAML's, else the server's
 // 422 ones) is listed once, under the editor, with the line it is on, which the gutter
 // marks (the spec is parsed here with positions, so a field's line is known in either
-// format); the marked line's tooltip says what is wrong there.
-import { parseDocument, isMap, isSeq } from "yaml";
-import { ApiError, api } from "../api.js";
+// format); the marked line's tooltip says what is wrong there. `?rerun=<job id>`: the page
+// opens with that job's spec ("Re-run with changes"), and the new job records it.
+import { parseDocument, isMap, isSeq, stringify } from "yaml";
+import { ApiError, api, jobPath, query } from "../api.js";
 import { h, link, replace } from "../dom.js";
 
 const EXAMPLE = `# A built-in model on a built-in data set (JSON works too)
@@ -45,7 +46,17 @@ export function yamlMessage(e) {
   return String(e.message).split("\n")[0].replace(/\s*at line \d+, column \d+\s*:?\s*$/, "").replace(/:\s*$/, "");
 }
 
-export function submitPage(root, { navigate }) {
+// The spec a re-run of `job` starts from: its stored spec, its tags (kept beside the spec),
+// and its project unless that is a personal one (a re-run lands in one's own).
+export function rerunSpec(job) {
+  const spec = structuredClone(job.spec || {});
+  if (job.tags && job.tags.length && !("tags" in spec)) spec.tags = [...job.tags];
+  if (job.project && !String(job.project).startsWith("~") && !("project" in spec)) spec.project = job.project;
+  return spec;
+}
+
+export function submitPage(root, { navigate, search }) {
+  const rerunOf = /^[0-9a-f]{32}$/.test((search && search.get("rerun")) || "") ? search.get("rerun") : null;
   const area = h("textarea", { id: "spec-text", spellcheck: "false", wrap: "off", placeholder: "paste a job spec (JSON or YAML)" });
   area.value = EXAMPLE;
   const gutter = h("div", { class: "gutter" });
@@ -53,8 +64,10 @@ export function submitPage(root, { navigate }) {
   const result = h("div", { id: "submit-result" });
   const file = h("input", { type: "file", accept: ".json,.yaml,.yml,application/json,text/yaml", id: "spec-file" });
   const button = h("button", { class: "primary", id: "submit" }, "Submit");
+  const banner = h("div", { id: "rerun-banner" });
   replace(root,
-    h("div", { class: "toolbar" }, h("h2", {}, "Submit a job"), file, button),
+    h("div", { class: "toolbar" }, h("h2", {}, rerunOf ? "Re-run a job" : "Submit a job"), file, button),
+    banner,
     h("div", { class: "editor" }, gutter, area),
     result, problems,
     h("p", { class: "muted small" }, "Jobs that run your own code need their bundle uploaded first: ", h("code", {}, "torchyard submit SPEC --code DIR"), "."));
@@ -104,7 +117,7 @@ export function submitPage(root, { navigate }) {
     const spec = doc.toJS();
     button.disabled = true;
     try {
-      const job = await api("/v1/jobs", { method: "POST", body: spec });
+      const job = await api("/v1/jobs" + query({ rerun_of: rerunOf }), { method: "POST", body: spec });
       show([]);
       replace(result, h("div", { class: "ok" }, "Submitted ", link(`/jobs/${job.id}`, job.name), " (", job.state, ")"),
         job.warnings.length ? h("ul", { class: "warnings" }, job.warnings.map((w) => h("li", {}, h("code", {}, w.field), " ", w.message))) : null);
@@ -130,6 +143,21 @@ export function submitPage(root, { navigate }) {
     replace(problems);
     renderGutter();
   });
+  async function loadRerun() {
+    button.disabled = true; // not the example, by a quick click
+    try {
+      const job = await api(jobPath(rerunOf));
+      area.value = stringify(rerunSpec(job));
+      replace(banner, h("p", { class: "muted" }, "Re-running ", link(`/jobs/${job.id}`, job.name),
+        ": change what you like, then Submit. The new job records which job it came from."));
+      renderGutter();
+    } catch (e) {
+      replace(banner, h("div", { class: "error" }, e.status === 404 ? `No job ${rerunOf} that you can see.` : e.message));
+    } finally {
+      button.disabled = false;
+    }
+  }
   renderGutter();
+  if (rerunOf) loadRerun();
   return null;
 }

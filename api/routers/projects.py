@@ -1,0 +1,173 @@
+"""Projects and their members: who may see and do what with a project's jobs and sweeps
+(store/projects.py says what each role may do). Any user may create a project and owns
+it; its owners (and admins) manage its members. A project the caller has no role in is a
+404, whether it exists or not."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+from sqlalchemy.orm import Session
+
+from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, actor_of
+from torchyard.api.errors import ApiError, not_found, responses
+from torchyard.api.project_schemas import (
+    MemberIn,
+    MemberOut,
+    ProjectIn,
+    ProjectList,
+    ProjectOut,
+    ProjectSummary,
+)
+from torchyard.api.roles import require_role
+from torchyard.store import projects as proj
+from torchyard.store.audit import record
+from torchyard.store.auth import user_named
+from torchyard.store.models import Project
+
+router = APIRouter(prefix="/v1/projects", tags=["projects"])
+
+ProjectName = Annotated[str, Path(min_length=1, max_length=101, description="`~<user>`: personal")]
+UserName = Annotated[str, Path(min_length=1, max_length=100)]
+
+
+def _visible(session: Session, user: Principal, name: str) -> tuple[Project, str | None]:
+    """The project and the caller's role in it (None: an admin who is no member); 404 when
+    the caller has no role in it."""
+    project = proj.project_named(session, name)
+    if project is None:
+        raise not_found("project")
+    role = proj.role_of(session, user.id, project.id)
+    if role is None and not user.is_admin:
+        raise not_found("project")
+    return project, role
+
+
+def _out(session: Session, project: Project, role: str | None) -> ProjectOut:
+    members = [MemberOut(user=u, role=r) for u, r in proj.members_of(session, project.id)]  # type: ignore[arg-type]
+    return ProjectOut(
+        name=project.name,
+        personal=project.personal_of is not None,
+        role=role,  # type: ignore[arg-type]
+        members=members,
+        created_at=project.created_at,
+    )
+
+
+def _refused(e: proj.ProjectError) -> ApiError:
+    return ApiError(e.status, e.message, code=e.code)
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=ProjectOut,
+    summary="Create a project",
+    description="Any user may create a project; they become its owner. 409 if the name is "
+    "taken. Personal projects (`~<user>`) are made with their users.",
+    responses=responses(401, 409, 422, 503),
+)
+def create_project_route(
+    body: ProjectIn, request: Request, user: CurrentUser, session: SessionDep
+) -> ProjectOut:
+    try:
+        project = proj.create_project(session, body.name, user.id)
+    except proj.ProjectError as e:
+        raise _refused(e) from None
+    record(session, actor_of(request, user), "project.create", f"project:{project.name}",
+           project_id=project.id)  # fmt: skip
+    session.commit()
+    return _out(session, project, "owner")
+
+
+@router.get(
+    "",
+    response_model=ProjectList,
+    summary="List projects",
+    description="The projects the caller has a role in, by name (admins: every project).",
+    responses=responses(401, 503),
+)
+def list_projects_route(user: CurrentUser, session: ReadSessionDep) -> ProjectList:
+    items = proj.list_projects(session, user.id, user.is_admin)
+    return ProjectList(
+        items=[ProjectSummary.model_validate(i, from_attributes=True) for i in items]
+    )
+
+
+@router.get(
+    "/{name}",
+    response_model=ProjectOut,
+    summary="Show a project",
+    description="Its members and their roles; any member may read it.",
+    responses=responses(401, 404, 503),
+)
+def get_project_route(name: ProjectName, user: CurrentUser, session: ReadSessionDep) -> ProjectOut:
+    project, role = _visible(session, user, name)
+    return _out(session, project, role)
+
+
+@router.put(
+    "/{name}/members/{member}",
+    response_model=ProjectOut,
+    summary="Give a user a role in a project (owners)",
+    description="Adds the user or changes their role. Only the project's owners (and "
+    "admins) may; a project keeps at least one owner (409).",
+    responses=responses(401, 403, 404, 409, 422, 503),
+)
+def put_member_route(
+    name: ProjectName,
+    member: UserName,
+    body: MemberIn,
+    request: Request,
+    user: CurrentUser,
+    session: SessionDep,
+) -> ProjectOut:
+    project, _ = _visible(session, user, name)
+    require_role(session, user, project.id, "owner", "manage members")
+    target = user_named(session, member)
+    if target is None:
+        raise not_found(f"user {member!r}")
+    try:
+        before = proj.set_member(session, project, target, body.role)
+    except proj.ProjectError as e:
+        raise _refused(e) from None
+    if before != body.role:
+        details = {"user": member, "role": body.role, "before": before}
+        record(session, actor_of(request, user), "project.member.set", f"project:{name}",
+               details, project_id=project.id)  # fmt: skip
+    session.commit()
+    return _out(session, project, proj.role_of(session, user.id, project.id))
+
+
+@router.delete(
+    "/{name}/members/{member}",
+    response_model=ProjectOut,
+    summary="Take a user out of a project (owners; anyone for themselves)",
+    description="Their role goes at once: the project's jobs are then a 404 to them. A "
+    "project keeps at least one owner (409). Taking out a user who is no member is no "
+    "change (200).",
+    responses=responses(401, 403, 404, 409, 503),
+)
+def delete_member_route(
+    name: ProjectName, member: UserName, request: Request, user: CurrentUser, session: SessionDep
+) -> ProjectOut:
+    project, _ = _visible(session, user, name)
+    if member != user.name:
+        require_role(session, user, project.id, "owner", "manage members")
+    target = user_named(session, member)
+    if target is None:
+        raise not_found(f"user {member!r}")
+    try:
+        before = proj.remove_member(session, project, target)
+    except proj.ProjectError as e:
+        raise _refused(e) from None
+    if before is not None:
+        record(session, actor_of(request, user), "project.member.remove", f"project:{name}",
+               {"user": member, "before": before}, project_id=project.id)  # fmt: skip
+    session.commit()
+    mine = proj.role_of(session, user.id, project.id)
+    if mine is None and not user.is_admin:  # they left: the project is no longer theirs
+        return ProjectOut(name=project.name, personal=project.personal_of is not None,
+                          role=None, members=[], created_at=project.created_at)  # fmt: skip
+    return _out(session, project, mine)
