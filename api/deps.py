@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -241,11 +242,30 @@ async def admin_user(user: Annotated[Principal, Depends(current_user)]) -> Princ
     return user
 
 
+def from_trusted_proxy(request: Request) -> bool:
+    """Whether the peer is a reverse proxy in TORCHYARD_TRUSTED_PROXIES, whose
+    X-Forwarded-* headers are believed (anyone else's are ignored)."""
+    proxies = request.app.state.settings.trusted_proxy_networks
+    if not proxies or request.client is None:
+        return False
+    try:
+        peer = ipaddress.ip_address(request.client.host)
+    except ValueError:
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        peer = peer.ipv4_mapped
+    return any(peer in net for net in proxies)
+
+
 def client_address(request: Request) -> str | None:
-    """The peer's address as the audit trail records it. Behind a proxy this is the
-    proxy's unless the server runs with --proxy-headers (uvicorn then sets it from
-    X-Forwarded-For for the proxies it trusts); a header is never read here, so a client
-    cannot write someone else's address into the trail."""
+    """The client's address as the audit trail records it: the peer's, or, when the peer is
+    a trusted proxy, the last X-Forwarded-For value (the one that proxy appended). A header
+    from anyone else is never read, so a client cannot write another address into the
+    trail."""
+    if from_trusted_proxy(request):
+        forwarded = request.headers.get("x-forwarded-for", "").split(",")[-1].strip()
+        if forwarded:
+            return forwarded[:100]
     return request.client.host if request.client else None
 
 

@@ -205,7 +205,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         415: "the body's Content-Type is not one this route takes",
         416: "range not satisfiable",
         422: "invalid request; details lists every problem as {field, message}",
-        429: "over the user's quota (max_queued): nothing was stored",
+        429: "over the user's or the project's quota (max_queued): nothing was stored",
         503: "store or broker unreachable",
     }
     return {s: {"model": ErrorBody, "description": descriptions.get(s, CODES[s])} for s in statuses}

@@ -281,6 +281,41 @@ class QuotaOut(BaseModel):
     )
 
 
+class ProjectQuotaIn(BaseModel):
+    """A project's fields to change, as QuotaIn (no max_priority: that is a user's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_workers: int | None = Field(
+        default=None,
+        ge=0,
+        le=_LIMIT_MAX,
+        description="most workers the project's jobs (whoever submitted them) may hold at "
+        "once, on top of each user's own limit (0: none start)",
+    )
+    max_queued: int | None = Field(
+        default=None,
+        ge=0,
+        le=_LIMIT_MAX,
+        description="most queued jobs the project may have; a submit over it is 429 (0: none)",
+    )
+    share: float | None = Field(
+        default=None,
+        gt=0,
+        le=_LIMIT_MAX,
+        allow_inf_nan=False,
+        description="the project's weight in fair share: its usage is divided by it "
+        "(default 1; a personal project's is its user's)",
+    )
+
+
+class ProjectQuotaOut(BaseModel):
+    project: str
+    max_workers: int | None = Field(description="null: no limit")
+    max_queued: int | None = Field(description="null: no limit")
+    share: float
+
+
 class QueueUsage(BaseModel):
     worker_hours: float = Field(
         description="the owner's recent usage: worker-hours decayed with the half-life"
@@ -293,6 +328,7 @@ class QueueItem(BaseModel):
     id: str
     name: str
     owner: str
+    project: str | None = Field(default=None, description="the project the job belongs to")
     priority: int
     world_size: int
     pending_reason: str | None

@@ -5,9 +5,10 @@ Every route that answers with one job builds it from `store.jobs.job_snapshot`'s
 
 A job's reasons (pending, its attempts', its error) are shown as its owner may see them,
 whoever asks (`owner_reason`): the scheduler writes them for operators, naming other users'
-jobs (preemption) and other users' names and usage (fair share). Those become "another job"
-and "users who used less"; an admin sees the full reasons in GET /v1/queue. The body stays
-one function of the job's version, as its ETag promises.
+jobs (preemption) and other users' and projects' names and usage (fair share). Those become
+"another job" and "users who used less" (or "projects and users who used less"); an admin
+sees the full reasons in GET /v1/queue. The body stays one function of the job's version,
+as its ETag promises.
 """
 
 from __future__ import annotations
@@ -46,15 +47,19 @@ _FAIR = re.compile(
 def owner_reason(text: str | None, job_id: str, owner: str | None = None) -> str | None:
     """`text` (a reason about the job `job_id` of `owner`) without other users' job ids,
     names or usage: what the job's owner may read. Without `owner`, the name the fair-share
-    prefix opens with is taken as the owner's (the scheduler always names the job's owner
-    there)."""
+    prefix opens with is taken as the owner's (the scheduler always names the job's owner,
+    or its team project as `project NAME`, there)."""
     if not text:
         return text
     fair = _FAIR.match(text)
-    if fair is not None and fair["me"] == (owner or fair["me"]):
+    # The scheduler names the job's own project first when projects were compared: that
+    # part is the job's to see, the other project or user is not.
+    team = fair is not None and fair["me"].startswith("project ")
+    if fair is not None and (team or fair["me"] == (owner or fair["me"])):
+        who = "projects and users" if team else "users"
         text = (
-            f"fair share: {fair['me']} has used {fair['used']}; users who used less go first "
-            f"(half-life {fair['hl']}); " + text[fair.end() :]
+            f"fair share: {fair['me']} has used {fair['used']}; {who} who used less go "
+            f"first (half-life {fair['hl']}); " + text[fair.end() :]
         )
     text = _WAITING.sub(lambda m: _waiting(m[1].count(",") + 1), text)
 

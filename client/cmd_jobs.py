@@ -319,8 +319,12 @@ def describe_job(job: dict) -> RenderableType:
 
 
 def _organised(job: dict) -> list[tuple[str, str]]:
-    """Tags, archive, re-run and notes, where the job has them (client/cmd_organise.py)."""
-    rows = [("tags", ", ".join(job["tags"]))] if job.get("tags") else []
+    """Its project (a team's), tags, archive, re-run and notes, where the job has them
+    (client/cmd_organise.py)."""
+    project = job.get("project")
+    rows = [("project", str(project))] if project and not str(project).startswith("~") else []
+    if job.get("tags"):
+        rows.append(("tags", ", ".join(job["tags"])))
     if job.get("archived"):
         rows.append(("archived", f"{job.get('archived_at')} (hidden from lists)"))
     if job.get("rerun_of"):

@@ -1,5 +1,5 @@
 """The pool's commands: workers (who is there and what each runs), quota set and show (a
-user's limits and fair-share weight), queue (queued jobs in the order they would start, and
+user's or a project's limits and fair-share weight), queue (queued jobs in the order they would start, and
 each user's usage), with their option parsers and `describe_queue`."""
 
 from __future__ import annotations
@@ -33,16 +33,21 @@ def add_pool_commands(cmd: Callable[..., Any], sub: Any, common: argparse.Argume
     parsed."""
     sp = cmd("workers", cmd_workers, "list workers: host, GPU, state, current job, heartbeat")
     sp.add_argument("--json", action="store_true", help="print the workers as JSON")
-    quota = sub.add_parser("quota", help="show or set a user's quota (setting: admins)")
+    quota = sub.add_parser(
+        "quota", help="show or set a user's or a project's quota (setting: admins)"
+    )
     actions = quota.add_subparsers(dest="quota_command", required=True, metavar="action")
     sp = actions.add_parser(
         "set",
         parents=[common],
-        help="change a user's quota (admins); options not given are left as they are",
-        description="change a user's quota (admins); options not given are left as they are",
+        help="change a user's or a project's quota (admins); options not given are left as "
+        "they are",
+        description="change a user's quota, or with --project a project's (admins; both "
+        "hold: a job needs room under each); options not given are left as they are",
     )
     sp.set_defaults(run=cmd_quota_set)
-    sp.add_argument("user", help="user name")
+    sp.add_argument("user", nargs="?", help="user name (or --project)")
+    sp.add_argument("--project", help="a project's quota instead (no --max-priority)")
     unset = {"default": argparse.SUPPRESS, "metavar": "N|none"}  # absent: left as it is
     limit = "most workers the user's jobs hold at once (none: no limit)"
     sp.add_argument("--max-workers", type=_limit, help=limit, **unset)
@@ -64,6 +69,7 @@ def add_pool_commands(cmd: Callable[..., Any], sub: Any, common: argparse.Argume
     )
     sp.set_defaults(run=cmd_quota_show)
     sp.add_argument("user", nargs="?", help="user name (default: yourself; others: admins)")
+    sp.add_argument("--project", help="a project's quota instead (its members and admins)")
     sp.add_argument("--json", action="store_true", help="print the quota as JSON")
     sp = sub.add_parser(
         "queue",
@@ -139,15 +145,30 @@ def _priority(value: str) -> int | None:
 
 def cmd_quota_set(client: Client, args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in _QUOTA_FIELDS if hasattr(args, k)}
+    if (args.user is None) == (args.project is None):
+        err("give a USER or --project NAME (one of them)")
+        return EXIT_USAGE
+    if args.project is not None and "max_priority" in fields:
+        err("a project has no --max-priority: it stays a user's (`quota set USER`)")
+        return EXIT_USAGE
     if not fields:
         err("nothing to set: give --max-workers, --max-queued, --share and/or --max-priority")
         return EXIT_USAGE
-    _show_quota(client.set_quota(args.user, **fields), args.json)
+    if args.project is not None:
+        _show_quota(client.set_project_quota(args.project, **fields), args.json)
+    else:
+        _show_quota(client.set_quota(args.user, **fields), args.json)
     return EXIT_OK
 
 
 def cmd_quota_show(client: Client, args: argparse.Namespace) -> int:
-    _show_quota(client.get_quota(args.user or "me"), args.json)
+    if args.project is not None:
+        if args.user is not None:
+            err("give a USER or --project NAME, not both")
+            return EXIT_USAGE
+        _show_quota(client.project_quota(args.project), args.json)
+    else:
+        _show_quota(client.get_quota(args.user or "me"), args.json)
     return EXIT_OK
 
 
@@ -155,7 +176,8 @@ def _show_quota(quota: dict, as_json: bool) -> None:
     if as_json:
         print_json(quota)
         return
-    rows = [("user", str(quota.get("user")))]
+    whose = "project" if "project" in quota else "user"
+    rows = [(whose, str(quota.get(whose)))]
     for key in ("max_workers", "max_queued"):
         rows.append((key, "no limit" if quota.get(key) is None else str(quota[key])))
     rows.append(("share", num(quota.get("share"))))

@@ -198,6 +198,18 @@ class Client:
         self.connection = replace(self.connection, token=token, token_from="the prompt")
         self._http.headers["Authorization"] = f"Bearer {token}"
 
+    def device_sign_in(self) -> dict:
+        """Start a single sign-on for this device (RFC 8628): {device_code, user_code,
+        verification_uri, verification_uri_complete, interval, expires_in}. NotFound where
+        the server has no single sign-on."""
+        return self._json("POST", "/v1/auth/device")
+
+    def device_token(self, device_code: str) -> dict:
+        """{token, token_id, user} once the user confirmed at the provider; until then
+        BadRequest with code `authorization_pending` or `slow_down`, and at the end
+        `access_denied` or `expired_token` (RFC 8628)."""
+        return self._json("POST", "/v1/auth/device/token", json={"device_code": device_code})
+
     def _json(self, method: str, path: str, **kw: Any) -> Any:
         params = {k: v for k, v in (kw.pop("params", None) or {}).items() if v is not None}
         resp = self._send(self._http.build_request(method, path, params=params, **kw))
@@ -748,6 +760,17 @@ class Client:
     def get_quota(self, user: str = "me") -> dict:
         """A user's quota; `me` (the default) is the caller's own."""
         return self._json("GET", f"/v1/users/{_seg(user)}/quota")
+
+    def project_quota(self, name: str) -> dict:
+        """A project's quota, on top of its users' own: {"project", "max_workers",
+        "max_queued", "share"} (any member, and admins)."""
+        return dict(self._json("GET", f"/v1/projects/{_seg(name)}/quota"))
+
+    def set_project_quota(self, name: str, **fields: int | float | None) -> dict:
+        """Change a project's quota (admins): `max_workers`, `max_queued`, `share`; None
+        removes a limit (a share of None goes back to 1), a field not given is left as it
+        is. Returns the whole quota, as `project_quota`."""
+        return dict(self._json("PUT", f"/v1/projects/{_seg(name)}/quota", json=fields))
 
     def queue(self, *, limit: int | None = None) -> dict:
         """Queued jobs in the order they would start: {"items", "counts", "usage", "unit",

@@ -8,8 +8,10 @@ Only as many queued jobs of each user are read as could be placed on the idle wo
 (every job takes at least one), plus `LOOKAHEAD` more so that small jobs behind big
 waiting ones still backfill and the jobs at the head of a full cluster's queue get their
 pending reason. The extra reads fair share, quotas and preemption need are made only when
-they can matter: usage when two users have jobs queued, held workers when a user has a
-max_workers quota, running gangs when a job waited long enough and outranks one.
+they can matter: users' usage when two users (or a user's team and personal work) have
+jobs queued, team projects' usage when a team project competes with another project or
+user, held workers when a user or a project of a queued job has a max_workers quota,
+running gangs when a job waited long enough and outranks one.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from typing import NamedTuple
 from sqlalchemy.orm import Session
 
 from torchyard.scheduler import preemption
-from torchyard.scheduler.fairshare import FairShare
+from torchyard.scheduler.fairshare import Entry, FairShare
 from torchyard.scheduler.policy import RESERVE_AFTER_S, Kind, Plan, kind_of, plan
 from torchyard.store.dialect import db_now
 from torchyard.store.models import utcnow
 from torchyard.store.pool import (
     held_by_owner,
+    held_by_project,
     lowest_preemptible_priority,
+    pool_projects,
     pool_users,
     preempt,
     preemptions_in_flight,
@@ -42,7 +46,7 @@ from torchyard.store.queue import (
     set_pending_reasons,
     start_gangs,
 )
-from torchyard.store.usage import usage_by_user
+from torchyard.store.usage import usage_by_project, usage_by_user
 from torchyard.store.workers import stale_cutoff
 
 LOOKAHEAD = 200
@@ -83,16 +87,45 @@ def fair_share(
     now: datetime,
     half_life_s: float,
 ) -> FairShare:
-    """What fair share and quotas need to know about the users with queued jobs."""
-    owners = {j.owner_id for j in jobs}
-    users = pool_users(session, owners)
-    fs = FairShare(users=users, half_life_s=half_life_s, unit=unit_of(live_kinds))
-    if len(owners) > 1:
-        fs.usage = usage_by_user(session, now, half_life_s, owners)
-    if any(u.max_workers is not None for u in users.values()):
+    """What fair share and quotas need to know about the users and projects with queued
+    jobs: usage only when two of them compete, held workers only where a limit is set."""
+    fs = _pool_view(session, jobs, live_kinds, half_life_s)
+    entries = {fs.entry(j) for j in jobs}
+    if len(fs.users) > 1 or len(entries) > 1:
+        fs.usage = usage_by_user(session, now, half_life_s, fs.users)
+    tops = {e if e[0] is None else (e[0], 0) for e in entries}  # first-level terms
+    if len(tops) > 1:
+        _read_project_usage(session, fs, entries, now)
+    if any(u.max_workers is not None for u in fs.users.values()):
         fs.held = held_by_owner(session)
+    limited = {p.id for p in fs.projects.values() if p.max_workers is not None}
+    if limited:
+        fs.project_held = held_by_project(session, limited)
     fs.preempting = preemptions_in_flight(session)
     return fs
+
+
+def _pool_view(
+    session: Session, jobs: list[QueuedJob], live_kinds: dict[Kind, int], half_life_s: float
+) -> FairShare:
+    """The owners and the projects of `jobs`, read (two small queries), no usage yet."""
+    owners = {j.owner_id for j in jobs}
+    projects = {j.project_id for j in jobs if j.project_id is not None}
+    return FairShare(
+        users=pool_users(session, owners),
+        projects=pool_projects(session, projects),
+        half_life_s=half_life_s,
+        unit=unit_of(live_kinds),
+    )
+
+
+def _read_project_usage(
+    session: Session, fs: FairShare, entries: set[Entry], now: datetime
+) -> None:
+    """The team projects' usage, in one aggregate (personal projects use their user's)."""
+    teams = {team for team, _ in entries if team is not None}
+    if teams:
+        fs.project_usage = usage_by_project(session, now, fs.half_life_s, teams)
 
 
 def live_by_kind(session: Session, cutoff: datetime) -> dict[Kind, int]:
@@ -241,12 +274,9 @@ def queue_order(
     jobs = queue_heads(session, per_user, lock=False)
     now = db_now(session)
     cutoff = stale_cutoff(session, heartbeat_timeout_s, now)
-    live_kinds = live_by_kind(session, cutoff)
-    owners = {j.owner_id for j in jobs}
-    fs = FairShare(
-        users=pool_users(session, owners), half_life_s=half_life_s, unit=unit_of(live_kinds)
-    )
-    fs.usage = usage_by_user(session, now, half_life_s, owners)
+    fs = _pool_view(session, jobs, live_by_kind(session, cutoff), half_life_s)
+    fs.usage = usage_by_user(session, now, half_life_s, fs.users)
+    _read_project_usage(session, fs, {fs.entry(j) for j in jobs}, now)
     return [
         QueueEntry(i, j, fs.name(j.owner_id), fs.usage.get(j.owner_id, 0.0))
         for i, j in enumerate(fs.order(jobs), start=1)

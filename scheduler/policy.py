@@ -6,9 +6,10 @@ GPUs of unknown name go together). A CPU rank would pick gloo where the GPU rank
 NCCL and the rendezvous would hang, and a mixed-model gang runs at its slowest card's pace
 and can resolve `precision: auto` differently.
 
-Order: priority first; among equal priorities, users by fair share (their decayed usage
-over their share, `scheduler/fairshare.py`); within a user, age. A user's jobs that would
-take them past their `max_workers` quota wait and take nothing from anyone.
+Order: priority first; among equal priorities, fair share in two levels (projects, then
+users: decayed usage over share, `scheduler/fairshare.py`); within a user, age. A job
+that would take its user or its project past their `max_workers` quota waits and takes
+nothing from anyone.
 
 Backfill policy. Jobs are considered in that order. A job
 that does not fit in the idle workers now does not stop smaller jobs behind it from
@@ -229,7 +230,7 @@ def plan(
     max_ranks: int | None = None,
 ) -> Plan:
     """Walk the queue in fair-share order: start what fits (gang, backfill) within each
-    user's max_workers, give the rest a reason, and let a job that waited past
+    user's and project's max_workers, give the rest a reason, and let a job that waited past
     `reserve_after_s`, or whose preemption is under way, reserve workers. With
     `max_ranks`, stop once that many ranks are placed (`truncated`): what was planned so
     far is exactly what an unbounded plan starts first, so the next pass continues it."""

@@ -146,12 +146,12 @@ def enqueue(
     rerun_of: str | None = None,
 ) -> Submitted:
     """Store an admitted spec as a queued job in the caller's transaction (the caller
-    commits): SubmitRefused over the `max_queued` quota, or for an Idempotency-Key used with
+    commits): SubmitRefused over the user's or the project's `max_queued` quota, or for an Idempotency-Key used with
     another spec. `name`: the spec's display name unless given; `sweep_id`: its sweep;
     `rerun_of`: the job it re-runs. The spec's `tags` and `notes` become the job's (which
     PATCH changes later), not part of its stored spec."""
     who, spec = admitted.who, admitted.spec
-    refusal = rules.queue_refusal(session, who.id, key)
+    refusal = rules.queue_refusal(session, who.id, key, admitted.project_id)
     if refusal is not None:
         raise refusal
     stored = job_spec.spec_to_dict(spec)

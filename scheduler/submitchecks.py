@@ -2,8 +2,8 @@
 them): the spec itself and what only the server knows (the data set on disk or in the object
 store, the world size, the model and data-set size limits), the permissions (running one's
 own code, a priority above the user's `max_priority`, a priority nobody can preempt, over a
-sweep's whole space) and the `max_queued` quota; and the warnings of a job that is stored
-all the same (a world size the pool cannot give now). The spec's references (a bundle and its
+sweep's whole space) and the `max_queued` quotas (the user's and the project's); and the
+warnings of a job that is stored all the same (a world size the pool cannot give now). The spec's references (a bundle and its
 script, an `init` job) are submitrefs.py's.
 
 Also the words they speak: who submits (`Submitter`) and a refusal (`SubmitRefused`), which
@@ -30,7 +30,6 @@ from torchyard.storage import storage_for
 from torchyard.storage.keys import dataset_manifest_key
 from torchyard.store import projects
 from torchyard.store.jobs import idempotency_key_used
-from torchyard.store.models import User
 from torchyard.store.queue import live_counts
 from torchyard.store.quotas import max_priority_of, over_max_queued
 from torchyard.store.workers import stale_cutoff
@@ -259,20 +258,22 @@ def project_of(session: Session, who: Submitter, name: str | None) -> int | None
 # --- the quota ----------------------------------------------------------------------------------
 
 
-def queue_refusal(session: Session, user_id: int, key: str | None = None) -> SubmitRefused | None:
-    """The user's queued jobs already fill their quota, checked in the transaction that
-    would store the job (over_max_queued locks the user's row, so two submits cannot both
-    take the last place). A retry with a used Idempotency-Key stores nothing: not refused
-    (read after the lock, so a concurrent first try with that key is seen)."""
-    refused = over_max_queued(session, user_id)
-    if refused is None or (key is not None and idempotency_key_used(session, user_id, key)):
+def queue_refusal(
+    session: Session, user_id: int, key: str | None = None, project_id: int | None = None
+) -> SubmitRefused | None:
+    """The user's queued jobs fill their quota, or the project's queued jobs fill its
+    quota, checked in the transaction that would store the job (over_max_queued locks the
+    rows, so two submits cannot both take the last place). A retry with a used
+    Idempotency-Key stores nothing: not refused (read after the lock, so a concurrent
+    first try with that key is seen)."""
+    full = over_max_queued(session, user_id, project_id)
+    if full is None or (key is not None and idempotency_key_used(session, user_id, key)):
         return None
-    owner = session.get(User, user_id)
-    limit = owner.max_queued if owner is not None else None
+    detail: dict[str, Any] = {"field": "max_queued", "limit": full.limit}
+    if full.project is not None:
+        detail["project"] = full.project
     # No `message` in the detail: the message says it all, and clients print both.
-    return SubmitRefused(
-        "quota_exceeded", refused, details=[{"field": "max_queued", "limit": limit}]
-    )
+    return SubmitRefused("quota_exceeded", full.message, details=[detail])
 
 
 # --- warnings -----------------------------------------------------------------------------------

@@ -16,11 +16,12 @@ quotas and preemption treat it like any other. Per sweep, under its row lock:
    pruner as the objective arrives (store/pruning.py) and records a pruned trial itself,
    so a trial is never pruned after it finished, nor trained past the rung it failed.
 2. launch (a second transaction): while fewer than `parallel` trial jobs are live, fewer than
-   `max_trials` trials were asked for, and the owner's max_queued quota leaves room: ask
-   Optuna, set the values into a copy of the base spec, and submit it as the owner through
-   the one submit path every job takes (scheduler/submit.py: every rule a POST /v1/jobs
-   checks), storing the job and its trial row together. A spec the submit refuses (invalid
-   values, a permission the owner lacks, a bundle gone) fails that trial at once (no job).
+   `max_trials` trials were asked for, and the max_queued quotas (the owner's, the sweep's
+   project's) leave room: ask Optuna, set the values into a copy of the base spec, and
+   submit it as the owner through the one submit path every job takes (scheduler/submit.py:
+   every rule a POST /v1/jobs checks), storing the job and its trial row together. A spec
+   the submit refuses (invalid values, a permission the owner lacks, a bundle gone) fails
+   that trial at once (no job).
    Once every trial has an outcome the sweep ends: succeeded, or failed when none completed.
 
 A crash anywhere leaves nothing behind: a trial row is written with its job in one
@@ -237,7 +238,8 @@ class SweepController:
             while live < sweep.parallel and asked < sweep.max_trials:
                 # The submit's own quota rule, asked first: a full queue holds the next trial
                 # back (it is not asked for), where a submit would refuse it.
-                if (full := submitchecks.queue_refusal(s, sweep.owner_id)) is not None:
+                full = submitchecks.queue_refusal(s, sweep.owner_id, None, sweep.project_id)
+                if full is not None:
                     log.info("sweep %s: next trial waits: %s", sweep.id, full.message)
                     break
                 trial = self._ask(s, sweep, asked)

@@ -106,6 +106,11 @@ class Project(Base):
         ForeignKey("users.id", ondelete="CASCADE"), nullable=True, unique=True
     )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # The project's limits in the pool, set by an admin, on top of each user's own
+    # (store/quotas.py says how they combine); None: no limit.
+    max_workers: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    share: Mapped[float] = mapped_column(Float, default=1.0, server_default="1", nullable=False)
 
 
 class ProjectMember(Base):
@@ -526,3 +531,36 @@ class UiSession(_UiSecret, Base):
     was made from: revoking that token ends it."""
 
     __tablename__ = "ui_sessions"
+
+
+class SsoLogin(Base):
+    """A dashboard sign-in under way at the OpenID provider (store/sso.py): found by the
+    sha256 of its `state`, bound to the browser that started it (the sha256 of a cookie),
+    good once and for minutes. The nonce and PKCE verifier are sent on from here."""
+
+    __tablename__ = "sso_logins"
+    state_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    browser_hash: Mapped[str] = mapped_column(String(64))
+    nonce: Mapped[str] = mapped_column(String(64))
+    code_verifier: Mapped[str] = mapped_column(String(128))
+    # Where the dashboard goes after the sign-in: one of its own paths, checked.
+    next_path: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
+class UserIdentity(Base):
+    """A user's account at an OpenID provider (its issuer and `sub`): bound at the first
+    single sign-on, after which only that account signs in as the user. `granted` is what
+    the provider's groups gave at the last sign-in ({"admin": bool, "projects": {name:
+    role}}), so that leaving a group takes away what it gave and nothing else."""
+
+    __tablename__ = "user_identities"
+    issuer: Mapped[str] = mapped_column(String(300), primary_key=True)
+    subject: Mapped[str] = mapped_column(String(255), primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    granted: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_login_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (UniqueConstraint("issuer", "user_id", name="uq_user_identities_user"),)

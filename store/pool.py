@@ -1,6 +1,7 @@
 """What fair share, quotas and preemption read and write in a scheduling pass: each
-user's limits and the workers their jobs hold, the running gangs a waiting job could
-preempt (with their owners' max_priority), the preemptions in flight, and the write that asks a gang to stop.
+user's and each project's limits and the workers their jobs hold, the running gangs a
+waiting job could preempt (with their owners' max_priority), the preemptions in flight,
+and the write that asks a gang to stop.
 
 Preemption is an intent in the store, like a cancel: the scheduler sets
 `attempts.preempted_by` on the victim's running attempt (conditionally: still running,
@@ -18,7 +19,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from torchyard.store.jobs import bump_version
-from torchyard.store.models import Attempt, Job, JobEvent, User, Worker, utcnow
+from torchyard.store.models import Attempt, Job, JobEvent, Project, User, Worker, utcnow
 from torchyard.store.quotas import DEFAULT_MAX_PRIORITY
 from torchyard.store.states import A_RUNNING, ATTEMPT_ACTIVE, RUNNING
 from torchyard.store.workers import BUSY
@@ -29,6 +30,14 @@ class PoolUser(NamedTuple):
     name: str
     share: float
     max_workers: int | None
+
+
+class PoolProject(NamedTuple):
+    id: int
+    name: str
+    share: float
+    max_workers: int | None
+    personal_of: int | None  # the user whose personal project it is; None: a team's
 
 
 class RunningGang(NamedTuple):
@@ -71,6 +80,30 @@ def held_by_owner(session: Session) -> dict[int, int]:
         .group_by(Job.owner_id)
     )
     return {int(uid): int(n) for uid, n in rows}
+
+
+def pool_projects(session: Session, project_ids: set[int]) -> dict[int, PoolProject]:
+    if not project_ids:
+        return {}
+    cols = (Project.id, Project.name, Project.share, Project.max_workers, Project.personal_of)
+    rows = session.execute(select(*cols).where(Project.id.in_(project_ids)))
+    return {
+        r.id: PoolProject(r.id, r.name, float(r.share), r.max_workers, r.personal_of) for r in rows
+    }
+
+
+def held_by_project(session: Session, project_ids: set[int]) -> dict[int, int]:
+    """Workers busy with each of these projects' jobs, whoever submitted them."""
+    if not project_ids:
+        return {}
+    rows = session.execute(
+        select(Job.project_id, func.count())
+        .select_from(Worker)
+        .join(Job, Job.id == Worker.current_job_id)
+        .where(Worker.state == BUSY, Job.project_id.in_(project_ids))
+        .group_by(Job.project_id)
+    )
+    return {int(pid): int(n) for pid, n in rows if pid is not None}
 
 
 def lowest_preemptible_priority(session: Session) -> int | None:

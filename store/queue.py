@@ -46,6 +46,7 @@ class QueuedJob(NamedTuple):
     pending_reason: str | None
     owner_id: int = 0
     priority: int = 0
+    project_id: int | None = None  # None: its owner's personal project (older rows)
 
 
 class FreeWorker(NamedTuple):
@@ -94,6 +95,7 @@ _QUEUED_COLS = (
     Job.pending_reason,
     Job.owner_id,
     Job.priority,
+    Job.project_id,
 )
 
 

@@ -27,6 +27,7 @@ from torchyard.store.models import (
     JobEvent,
     JobTag,
     Metric,
+    Project,
     ProjectMember,
     User,
     Worker,
@@ -86,7 +87,7 @@ def table_page(
     offset: int = 0,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
-    """A page of the table, newest first: each job's columns, `owner`, `latest` (the
+    """A page of the table, newest first: each job's columns, `owner`, `project`, `latest` (the
     newest value of each TABLE_METRICS name, when recorded) and `workers` (the ids of the
     workers of its running attempt, by rank)."""
     where = _filters(viewer, text, tag)
@@ -94,10 +95,12 @@ def table_page(
         where.append(Job.state.in_(list(states)))
     cols = (Job.id, Job.name, Job.state, Job.progress, Job.world_size, Job.attempt,
             Job.created_at, Job.started_at, Job.finished_at, Job.pending_reason,
-            Job.sweep_id, Job.tags, User.name.label("owner"))  # fmt: skip
+            Job.sweep_id, Job.tags, User.name.label("owner"),
+            Project.name.label("project"))  # fmt: skip
     rows = session.execute(
         select(*cols)
         .join(User, User.id == Job.owner_id)
+        .outerjoin(Project, Project.id == Job.project_id)
         .where(*where)
         .order_by(Job.created_at.desc(), Job.id.desc())
         .offset(offset)

@@ -1,4 +1,5 @@
-"""Fair-share usage: the worker-seconds each user's attempts held, decayed with a half-life.
+"""Fair-share usage: the worker-seconds each user's (or each project's) attempts held,
+decayed with a half-life.
 
 An attempt of world size w that held its workers from `a` to `b` (now, while it runs)
 contributes w * integral of 2^(-(now - t) / half_life) over [a, b], which is
@@ -15,9 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import ColumnElement, Float, case, cast, func, literal, or_, select, type_coerce
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from torchyard.store.dialect import is_postgres
 from torchyard.store.models import Attempt, Job
@@ -40,7 +42,26 @@ def usage_by_user(
     half_life_s: float,
     user_ids: Iterable[int] | None = None,
 ) -> dict[int, float]:
-    """Decayed worker-seconds per user id (users with none are absent)."""
+    """Decayed worker-seconds per user id, of their jobs in every project (users with none
+    are absent)."""
+    return _usage_by(session, Job.owner_id, now, half_life_s, user_ids)
+
+
+def usage_by_project(
+    session: Session, now: datetime, half_life_s: float, project_ids: Iterable[int]
+) -> dict[int, float]:
+    """Decayed worker-seconds per project id, of its jobs whoever submitted them (projects
+    with none are absent): the same one aggregate, grouped by project."""
+    return _usage_by(session, Job.project_id, now, half_life_s, project_ids)
+
+
+def _usage_by(
+    session: Session,
+    key: InstrumentedAttribute[Any],
+    now: datetime,
+    half_life_s: float,
+    ids: Iterable[int] | None,
+) -> dict[int, float]:
     k = math.log(2) / half_life_s
     t_now = now.timestamp()
     start = _epoch(session, func.coalesce(Attempt.started_at, Attempt.created_at))
@@ -53,11 +74,11 @@ def usage_by_user(
     )
     horizon = now - timedelta(seconds=half_life_s * HORIZON_HALF_LIVES)
     q = (
-        select(Job.owner_id, func.sum(held) / k)
+        select(key, func.sum(held) / k)
         .join(Job, Job.id == Attempt.job_id)
         .where(or_(Attempt.state.in_(ATTEMPT_ACTIVE), Attempt.ended_at >= horizon))
-        .group_by(Job.owner_id)
+        .group_by(key)
     )
-    if user_ids is not None:
-        q = q.where(Job.owner_id.in_(list(user_ids)))
-    return {int(uid): max(0.0, float(v or 0.0)) for uid, v in session.execute(q)}
+    if ids is not None:
+        q = q.where(key.in_(list(ids)))
+    return {int(kid): max(0.0, float(v or 0.0)) for kid, v in session.execute(q) if kid is not None}

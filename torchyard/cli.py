@@ -40,6 +40,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "logs": ("torchyard.client.cli", "main", "show a job's log"),
     "metrics": ("torchyard.client.cli", "main", "show a job's metrics"),
     "download": ("torchyard.client.cli", "main", "download a checkpoint"),
+    "tag": ("torchyard.client.cli", "main", "add or remove a job's tags"),
+    "note": ("torchyard.client.cli", "main", "set a job's note"),
+    "archive": ("torchyard.client.cli", "main", "hide a job from default lists (--undo)"),
+    "delete": ("torchyard.client.cli", "main", "delete an ended job and its files"),
+    "rerun": ("torchyard.client.cli", "main", "submit a job again, with --set changes"),
     "workers": ("torchyard.client.cli", "main", "list workers"),
     "sweep": (
         "torchyard.client.cli",
@@ -66,7 +71,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "login": (
         "torchyard.client.cli",
         "main",
-        "check and save a server's URL and token for every command: `login URL [--token T]`",
+        "check and save a server's URL and token for every command: "
+        "`login URL [--token T | --sso]`",
     ),
 }
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -163,12 +165,41 @@ class Settings(BaseSettings):
     `/metrics` without being a user, for a Prometheus scraper (default none: admins only)."""
     trusted_proxies: str = ""
     """TORCHYARD_TRUSTED_PROXIES: comma-separated IPs or CIDRs of reverse proxies whose
-    `X-Forwarded-Proto` is believed (default none): a login cookie is `Secure` when the
-    request came over https directly, or through one of these saying it did."""
+    `X-Forwarded-Proto` and `X-Forwarded-For` are believed (default none): a login cookie
+    is `Secure` when the request came over https directly, or through one of these saying
+    it did; the audit trail records the client address such a proxy appended."""
     api_docs: bool = False
     """TORCHYARD_API_DOCS: serve the interactive API docs at `/docs` and `/redoc` (off by
     default: their pages load scripts from a third-party CDN on the dashboard's origin;
     `/openapi.json` is always served and any OpenAPI viewer reads it)."""
+    oidc_issuer: str | None = None
+    """TORCHYARD_OIDC_ISSUER: single sign-on with this OpenID Connect provider (its issuer
+    URL, https but for a loopback address; found by discovery,
+    `<issuer>/.well-known/openid-configuration`). SSO is on when this and
+    TORCHYARD_OIDC_CLIENT_ID are set (TORCHYARD_OIDC_CLIENT_SECRET is then required)."""
+    oidc_client_id: str | None = None
+    """TORCHYARD_OIDC_CLIENT_ID: torchyard's client at the provider (a confidential client
+    whose redirect URI is `<api url>/v1/ui/sso/callback`)."""
+    oidc_client_secret: str | None = Field(default=None, repr=False)
+    """TORCHYARD_OIDC_CLIENT_SECRET: that client's secret; it never leaves the server."""
+    oidc_name: str = ""
+    """TORCHYARD_OIDC_NAME: what the login page calls the provider ("Sign in with …";
+    default: the issuer's host name)."""
+    oidc_scopes: str = "openid profile email groups"
+    """TORCHYARD_OIDC_SCOPES: the scopes asked for, those the provider lists as supported
+    (`openid` always)."""
+    oidc_user_claim: str = Field(default="preferred_username", min_length=1)
+    """TORCHYARD_OIDC_USER_CLAIM: the claim whose value is the torchyard user name."""
+    oidc_groups_claim: str = Field(default="groups", min_length=1)
+    """TORCHYARD_OIDC_GROUPS_CLAIM: the claim listing the user's groups at the provider."""
+    oidc_admin_groups: str = ""
+    """TORCHYARD_OIDC_ADMIN_GROUPS: comma-separated groups whose members are admins
+    (applied at each SSO login; admin rights that came from a group go with it)."""
+    oidc_project_roles: str = ""
+    """TORCHYARD_OIDC_PROJECT_ROLES: comma-separated `group=project:role` (e.g.
+    `ml-team=lab:member,ml-leads=lab:owner`): at each SSO login a member of the group gets at
+    least that role in that existing project; a role that came from a group the user has
+    left is taken away."""
 
     @field_validator("database_url")
     @classmethod
@@ -202,6 +233,31 @@ class Settings(BaseSettings):
                 ) from None
         return v
 
+    @field_validator("oidc_project_roles")
+    @classmethod
+    def _project_roles(cls, v: str) -> str:
+        for part in _split(v):
+            if not _PROJECT_ROLE.match(part):
+                raise ValueError(
+                    f"TORCHYARD_OIDC_PROJECT_ROLES: {part!r} is not group=project:role "
+                    "(role: viewer, member or owner)"
+                )
+        return v
+
+    @model_validator(mode="after")
+    def _oidc(self) -> Settings:
+        if bool(self.oidc_issuer) != bool(self.oidc_client_id):
+            raise ValueError(
+                "single sign-on needs both TORCHYARD_OIDC_ISSUER and TORCHYARD_OIDC_CLIENT_ID"
+            )
+        if self.oidc_issuer and not self.oidc_client_secret:
+            raise ValueError("single sign-on needs TORCHYARD_OIDC_CLIENT_SECRET too")
+        if self.oidc_issuer and not _secure_url(self.oidc_issuer):
+            raise ValueError(
+                "TORCHYARD_OIDC_ISSUER must be an https:// URL (http:// only on a loopback address)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _timeouts(self) -> Settings:
         if self.heartbeat_timeout_s <= 3 * self.heartbeat_interval_s:
@@ -234,6 +290,25 @@ class Settings(BaseSettings):
         return tuple(ipaddress.ip_network(p, strict=False) for p in _split(self.trusted_proxies))
 
     @property
+    def sso_enabled(self) -> bool:
+        """Whether single sign-on is configured (TORCHYARD_OIDC_ISSUER and _CLIENT_ID)."""
+        return bool(self.oidc_issuer and self.oidc_client_id)
+
+    @property
+    def oidc_admin_group_set(self) -> frozenset[str]:
+        return frozenset(_split(self.oidc_admin_groups))
+
+    @property
+    def oidc_project_role_map(self) -> tuple[tuple[str, str, str], ...]:
+        """TORCHYARD_OIDC_PROJECT_ROLES parsed: (group, project, role) each."""
+        found = []
+        for part in _split(self.oidc_project_roles):
+            group, _, rest = part.partition("=")
+            project, _, role = rest.rpartition(":")
+            found.append((group.strip(), project.strip(), role.strip()))
+        return tuple(found)
+
+    @property
     def broker_dir(self) -> Path:
         """Folder of the embedded filesystem broker."""
         return (self.home / "broker").resolve()
@@ -244,6 +319,21 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 def _split(value: str) -> list[str]:
     return [p.strip() for p in value.split(",") if p.strip()]
+
+
+# group=project:role, the project named as store/projects.py's NAME_RE allows.
+_PROJECT_ROLE = re.compile(
+    r"^[^=,]+=\s*[A-Za-z0-9][A-Za-z0-9._-]{0,99}\s*:\s*(viewer|member|owner)$"
+)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _secure_url(url: str) -> bool:
+    """https, or http to this host (a provider on the same machine, as tests run one)."""
+    parts = urlsplit(url)
+    if parts.scheme == "https" and parts.hostname:
+        return True
+    return parts.scheme == "http" and (parts.hostname or "") in _LOOPBACK
 
 
 @lru_cache(maxsize=1)

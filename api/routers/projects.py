@@ -1,17 +1,26 @@
 """Projects and their members: who may see and do what with a project's jobs and sweeps
 (store/projects.py says what each role may do). Any user may create a project and owns
-it; its owners (and admins) manage its members. A project the caller has no role in is a
-404, whether it exists or not."""
+it; its owners (and admins) manage its members; admins set its quota (store/quotas.py says
+how it combines with its users'). A project the caller has no role in is a 404, whether it
+exists or not."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, BackgroundTasks, Path, Request
 from sqlalchemy.orm import Session
 
-from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SessionDep, actor_of
-from torchyard.api.errors import ApiError, not_found, responses
+from torchyard.api.deps import (
+    AdminUser,
+    CurrentUser,
+    Principal,
+    ReadSessionDep,
+    SessionDep,
+    SettingsDep,
+    actor_of,
+)
+from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.project_schemas import (
     MemberIn,
     MemberOut,
@@ -21,10 +30,13 @@ from torchyard.api.project_schemas import (
     ProjectSummary,
 )
 from torchyard.api.roles import require_role
+from torchyard.api.schemas import ProjectQuotaIn, ProjectQuotaOut
+from torchyard.broker import app as broker
 from torchyard.store import projects as proj
-from torchyard.store.audit import record
+from torchyard.store.audit import changed, record
 from torchyard.store.auth import user_named
 from torchyard.store.models import Project
+from torchyard.store.quotas import project_quota_of, set_project_quota
 
 router = APIRouter(prefix="/v1/projects", tags=["projects"])
 
@@ -171,3 +183,61 @@ def delete_member_route(
         return ProjectOut(name=project.name, personal=project.personal_of is not None,
                           role=None, members=[], created_at=project.created_at)  # fmt: skip
     return _out(session, project, mine)
+
+
+@router.get(
+    "/{name}/quota",
+    response_model=ProjectQuotaOut,
+    summary="Show a project's quota",
+    description="`max_workers`, `max_queued` (null: no limit) and the fair-share `share` of "
+    "the project, on top of each user's own quota. Any member (any role) and admins may "
+    "read it.",
+    responses=responses(401, 404, 503),
+)
+def get_project_quota_route(
+    name: ProjectName, user: CurrentUser, session: ReadSessionDep
+) -> ProjectQuotaOut:
+    project, _ = _visible(session, user, name)
+    return ProjectQuotaOut(project=project.name, **project_quota_of(project))
+
+
+@router.put(
+    "/{name}/quota",
+    response_model=ProjectQuotaOut,
+    summary="Set a project's quota (admins)",
+    description="Changes the fields given and answers with the whole quota; each holds on "
+    "top of the users' own. `max_workers`: a job of the project starts only if the "
+    "workers all the project's jobs hold, plus its own, stay within it (and within its "
+    "user's; the pending reason names the limit that holds it); `max_queued`: a submit "
+    "into the project while it has that many queued jobs is 429; both are integers >= 0, "
+    "null removes the limit. `share` (> 0; null: back to 1) weighs the project in fair "
+    "share: projects go first by usage over share, then their users by theirs. A personal "
+    "project's share is its user's (422: set the user's quota). Unknown fields are 422.",
+    responses=responses(401, 403, 404, 422, 503),
+)
+def put_project_quota_route(
+    name: ProjectName,
+    body: ProjectQuotaIn,
+    request: Request,
+    user: AdminUser,
+    session: SessionDep,
+    settings: SettingsDep,
+    background: BackgroundTasks,
+) -> ProjectQuotaOut:
+    project = proj.project_named(session, name)
+    if project is None:
+        raise not_found("project")
+    changes = body.model_dump(include=body.model_fields_set)
+    before = project_quota_of(project)
+    try:
+        after = set_project_quota(session, project, changes)
+    except ValueError as e:
+        raise validation_error([("body.share", str(e))]) from None
+    details = changed(before, after)
+    if details is not None:  # fields set to the values they had are no change
+        record(session, actor_of(request, user), "project.quota", f"project:{name}", details,
+               project_id=project.id)  # fmt: skip
+    session.commit()
+    if changes:  # a raised max_workers or share may let a waiting job start
+        background.add_task(broker.wake_scheduler, settings)
+    return ProjectQuotaOut(project=project.name, **after)

@@ -1,5 +1,6 @@
 """The queue as the scheduler sees it: queued jobs in the order they would start (priority,
-then fair share, then age: scheduler/cycle.py queue_order) and each user's usage."""
+then fair share by project and user, then age: scheduler/cycle.py queue_order), each with
+its project, and each user's usage."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ PER_USER = 1000
     response_model=QueueOut,
     summary="Show the queue",
     description="Queued jobs in the order they would start: priority, then fair share "
-    "(users who used the pool least lately, per unit of share, first), then age, with each "
-    "one's pending reason and its owner's usage (worker-hours decayed with the half-life, "
+    "(the projects, then the users, who used the pool least lately, per unit of share, "
+    "first; a personal project counts as its user), then age, with each one's project, "
+    "pending reason and its owner's usage (worker-hours decayed with the half-life, "
     "TORCHYARD_FAIRSHARE_HALF_LIFE_S). Admins see every job and every user with queued "
     "jobs; a user sees only their own jobs (with their positions in the whole queue), "
     "their own usage and quota, and pending reasons that name no other user's job, name or "
@@ -97,12 +99,14 @@ def _items(
     """The listed jobs; without `full_reasons` (a non-admin) their pending reasons name no
     other user's job, name or usage (api/views.py: owner_reason)."""
     names = job_names(session, [e.job.id for e in shown])
+    projects = {p.id: p.name for p in fs.projects.values()}  # read by queue_order already
     return [
         QueueItem(
             position=e.position,
             id=e.job.id,
             name=names.get(e.job.id, ""),
             owner=e.owner,
+            project=projects.get(e.job.project_id or 0),
             priority=e.job.priority,
             world_size=e.job.world_size,
             pending_reason=e.job.pending_reason

@@ -13,7 +13,6 @@ and is good for one exchange within five minutes.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,10 +30,12 @@ from torchyard.api.deps import (
     TokenCache,
     actor_of,
     client_address,
+    from_trusted_proxy,
 )
 from torchyard.api.errors import ApiError, responses
 from torchyard.store.audit import Actor, record
-from torchyard.store.auth import hash_token
+from torchyard.store.auth import hash_token, revoke_token
+from torchyard.store.sso import session_sso_token
 from torchyard.store.uisessions import (
     LINK_TTL_S,
     SESSION_TTL_S,
@@ -145,16 +146,7 @@ def came_over_tls(request: Request) -> bool:
     last value: the one the nearest proxy set). Anyone else's header is ignored."""
     if request.url.scheme == "https":
         return True
-    proxies = request.app.state.settings.trusted_proxy_networks
-    if not proxies or request.client is None:
-        return False
-    try:
-        peer = ipaddress.ip_address(request.client.host)
-    except ValueError:
-        return False
-    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
-        peer = peer.ipv4_mapped
-    if not any(peer in net for net in proxies):
+    if not from_trusted_proxy(request):
         return False
     sent = request.headers.get("x-forwarded-proto", "").split(",")[-1].strip().lower()
     return sent == "https"
@@ -283,13 +275,20 @@ def _session_out(user: Principal, csrf: str | None) -> SessionOut:
     )
 
 
-def _end(factory: sessionmaker[Session], secret: str, actor: Actor) -> None:
+def _end(factory: sessionmaker[Session], secret: str, actor: Actor) -> list[str]:
+    """Ends the session; a single sign-on's token (store/sso.py) is revoked with it.
+    Returns the token cache keys of what was revoked."""
     with factory() as session:
         live = user_for_session(session, secret) is not None
+        sso_token = session_sso_token(session, secret)
         end_session(session, secret)
+        revoked = revoke_token(session, sso_token, None) if sso_token is not None else None
         if live:  # a cookie of an ended session ends nothing
             record(session, actor, "auth.logout", f"user:{actor.name}")
         session.commit()
+    if revoked is None:
+        return []
+    return [revoked[0], *("session:" + h for h in revoked[1])]
 
 
 @router.delete(
@@ -303,9 +302,12 @@ async def log_out(request: Request, user: CurrentUser) -> Response:
     out = Response(status_code=204)
     cookie = request.cookies.get(SESSION_COOKIE)
     if cookie:
-        await run_in_threadpool(_end, request.app.state.sessions, cookie, actor_of(request, user))
+        ended = await run_in_threadpool(
+            _end, request.app.state.sessions, cookie, actor_of(request, user)
+        )
         cache: TokenCache = request.app.state.token_cache
-        cache.drop("session:" + hash_token(cookie))
+        for key in ["session:" + hash_token(cookie), *ended]:
+            cache.drop(key)
     out.delete_cookie(
         SESSION_COOKIE, path="/", httponly=True, samesite="strict", secure=came_over_tls(request)
     )

@@ -36,6 +36,7 @@ class TableRow(BaseModel):
     id: str
     name: str
     owner: str
+    project: str | None = Field(default=None, description="its project (`~<user>`: personal)")
     state: JobState
     progress: Progress | None
     world_size: int

@@ -55,6 +55,9 @@ def _tables() -> None:
             unique=True,
         ),
         sa.Column("created_at", _TS, nullable=False),
+        sa.Column("max_workers", sa.Integer(), nullable=True),
+        sa.Column("max_queued", sa.Integer(), nullable=True),
+        sa.Column("share", sa.Float(), server_default="1", nullable=False),
     )
     op.create_table(
         "project_members",

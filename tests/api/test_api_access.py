@@ -13,7 +13,11 @@ from torchyard_testdb import Factory
 from torchyard.api.app import create_app
 from torchyard.settings import Settings
 
-PUBLIC = {"/healthz", "/readyz"}
+# Single sign-on's steps (api/routers/sso.py) are public on purpose: each begins or ends a
+# sign-in, before there is a token (tests/api/test_sso.py tests what they refuse).
+SSO_STEPS = {"/v1/ui/sso", "/v1/ui/sso/login", "/v1/ui/sso/callback", "/v1/auth/device",
+             "/v1/auth/device/token"}  # fmt: skip
+PUBLIC = {"/healthz", "/readyz"} | SSO_STEPS
 
 
 def _routes() -> list[tuple[str, str]]:

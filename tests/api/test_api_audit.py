@@ -97,6 +97,19 @@ def test_submit_and_cancel_are_recorded_once(
     assert submit.time <= cancel.time and submit.id < cancel.id
 
 
+def test_the_client_address_is_the_peer_or_what_a_trusted_proxy_forwarded(
+    app: FastAPI, alice: Headers, db_url: str
+) -> None:
+    forged = {"X-Forwarded-For": "203.0.113.9"}
+    with TestClient(app, client=("10.1.2.3", 5000)) as direct:  # not a trusted proxy
+        assert direct.post("/v1/jobs", json=SPEC, headers=alice | forged).status_code == 201
+    app.state.settings = app.state.settings.model_copy(update={"trusted_proxies": "10.1.0.0/16"})
+    with TestClient(app, client=("10.1.2.3", 5000)) as proxied:
+        hops = {"X-Forwarded-For": "198.51.100.1, 192.0.2.7"}  # the proxy appended the last
+        assert proxied.post("/v1/jobs", json=SPEC, headers=alice | hops).status_code == 201
+    assert [e.client for e in stored(db_url)] == ["10.1.2.3", "192.0.2.7"]
+
+
 def test_token_create_and_revoke_never_record_the_secret(
     client: TestClient, admin: Headers, db_url: str
 ) -> None:

@@ -242,6 +242,7 @@ def test_role_by_dashboard_table(client: TestClient, team: Team, role: str) -> N
     job_id = team.job()
     rows = client.get("/v1/ui/jobs", headers=team.h[role]).json()["items"]
     assert (job_id in {r["id"] for r in rows}) is (role != "none")
+    assert all(r["project"] == "lab" for r in rows if r["id"] == job_id)
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -50,6 +50,19 @@ def test_every_setting_and_command_is_documented() -> None:
         assert f"`{cmd}" in README, cmd
 
 
+def test_every_client_command_is_reachable_from_the_torchyard_command() -> None:
+    """The `torchyard` dispatcher (torchyard/cli.py) knows every command the client's
+    parser has: one added only to the parser would be `unknown command` to users."""
+    import argparse
+
+    from torchyard.client.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = sorted(set(subs.choices) - set(COMMANDS))
+    assert not missing, f"add to torchyard/cli.py COMMANDS: {missing}"
+
+
 def test_quick_start_has_the_two_commands_and_the_demo_script_is_sound() -> None:
     quick = README.split("## Quick start", 1)[1].split("##", 1)[0]
     block = quick.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()

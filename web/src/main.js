@@ -62,7 +62,7 @@ async function render() {
     if (path !== "/login") history.replaceState(null, "", "/login");
     const main = h("main", { class: "login" });
     replace(root, main);
-    app.cleanup = loginPage(main, { error: app.loginError, onLogin: loggedIn });
+    app.cleanup = loginPage(main, { error: app.loginError, onLogin: loggedIn, after: app.after });
     return;
   }
   const main = h("main", {});

@@ -66,7 +66,7 @@ export async function jobPage(root, { params, navigate }) {
       ? h("span", { id: "pending" }, job.pending_reason)
       : queued ? h("span", { class: "muted", id: "pending-none" }, pendingText(null)) : null;
     const rows = [
-      ["owner", job.owner], ["attempt", `${job.attempt} (max restarts ${job.max_restarts})`],
+      ["owner", job.owner], ["project", job.project], ["attempt", `${job.attempt} (max restarts ${job.max_restarts})`],
       job.rerun_of ? ["re-run of", link(`/jobs/${job.rerun_of}`, h("span", { class: "mono", id: "rerun-of" }, job.rerun_of.slice(0, 12)))] : null,
       !queued || (p && p.step != null) ? ["progress", progressCell(p, job.state)] : null,
       p && p.samples_per_s ? ["speed", `${Math.round(p.samples_per_s).toLocaleString()} samples/s`] : null,

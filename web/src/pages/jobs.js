@@ -78,6 +78,7 @@ export function jobsPage(root, { search, session, navigate }) {
       return h("tr", { dataset: { id: j.id, state: j.state } },
         h("td", {}, box),
         h("td", { class: "name" }, link(`/jobs/${j.id}`, j.name), h("div", { class: "muted small mono" }, j.id.slice(0, 12)),
+          j.project && !j.project.startsWith("~") ? h("div", { class: "muted small jproject" }, `project ${j.project}`) : null,
           j.tags && j.tags.length ? h("div", { class: "jtags" }, tagChips(j.tags, { onClick: filterTag })) : null),
         admin ? h("td", {}, j.owner) : null,
         h("td", {}, stateBadge(j.state), j.attempt > 1 ? h("span", { class: "muted small" }, ` #${j.attempt}`) : null),

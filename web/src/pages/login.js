@@ -1,9 +1,23 @@
-// The login page: paste an API token (sent once, in a header, to open a session; never
-// stored), or come back through `torchyard ui`'s one-time link.
+// The login page: sign in at the server's OpenID provider where it has one (a plain link:
+// the server sends the browser there and back, and sets the session cookie itself), paste
+// an API token (sent once, in a header, to open a session; never stored), or come back
+// through `torchyard ui`'s one-time link.
 import { api } from "../api.js";
 import { h, replace } from "../dom.js";
 
-export function loginPage(root, { error, onLogin }) {
+// "Sign in with <provider>", shown once the server says it has single sign-on.
+function ssoOffer(box, after) {
+  api("/v1/ui/sso", { quiet: true }).then((info) => {
+    if (!info || !info.enabled) return;
+    const next = after && after !== "/" && after !== "/login" ? `?next=${encodeURIComponent(after)}` : "";
+    replace(box,
+      h("a", { class: "button primary", id: "sso", href: info.login_path + next }, `Sign in with ${info.name}`),
+      h("p", { class: "muted small or" }, "or with an API token:"));
+    box.hidden = false;
+  }).catch(() => { /* no single sign-on offered: the token form stays */ });
+}
+
+export function loginPage(root, { error, onLogin, after }) {
   const input = h("input", { type: "password", id: "token", name: "token", autocomplete: "off", spellcheck: "false", placeholder: "ty_…", required: true });
   const message = h("p", { class: "error", id: "login-error" }, error || "");
   if (!error) message.hidden = true;
@@ -27,10 +41,13 @@ export function loginPage(root, { error, onLogin }) {
     }
   }
 
+  const sso = h("div", { class: "sso", id: "sso-offer", hidden: true });
+  ssoOffer(sso, after);
   replace(root,
     h("div", { class: "card login-card" },
       h("h1", {}, "torchyard"),
       message,
+      sso,
       form,
       h("p", { class: "muted small" },
         "Run ", h("code", {}, "torchyard ui"), " for a link that logs you in, or paste a token from ",
