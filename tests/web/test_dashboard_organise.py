@@ -135,3 +135,34 @@ def test_archive_and_delete_from_the_job_page(world: World, new_page: Callable[[
     page.goto(world.base + f"/jobs/{live}")
     page.wait_for_selector("#archive")
     assert page.query_selector("#delete") is None
+
+
+def test_a_viewer_sees_a_read_only_job_page_and_a_member_the_buttons(
+    world: World, new_page: Callable[[], Any]
+) -> None:
+    from sqlalchemy import update
+
+    from torchyard.store.models import Job
+    from torchyard.store.projects import project_named
+
+    assert world.http.post("/v1/projects", json={"name": "vision"}).status_code == 201
+    tokens = {"vera": token_for(world.c, "vera"), "max": token_for(world.c, "max")}
+    for user, role in (("vera", "viewer"), ("max", "member")):
+        r = world.http.put(f"/v1/projects/vision/members/{user}", json={"role": role})
+        assert r.status_code == 200, r.text
+    job = world.finished("shared")
+    with world.c.session() as s:
+        project = project_named(s, "vision")
+        assert project is not None
+        s.execute(update(Job).where(Job.id == job).values(project_id=project.id))
+    page = new_page()
+    login(page, world.base, tokens["vera"], f"/jobs/{job}")
+    page.wait_for_selector("#read-only")
+    assert "viewer of vision" in page.inner_text("#read-only")
+    for button in ("#rerun", "#archive", "#delete", "#tag-input"):
+        assert not page.is_visible(button), button
+    assert page.inner_text("#job-name") == "shared"  # and everything else is there to read
+    page = new_page()
+    login(page, world.base, tokens["max"], f"/jobs/{job}")
+    page.wait_for_selector("#rerun")
+    assert page.query_selector("#read-only") is None and page.is_visible("#tag-input")

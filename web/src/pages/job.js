@@ -18,7 +18,18 @@ function cause(a) {
   return a.reason || "";
 }
 
-export async function jobPage(root, { params, navigate }) {
+// Whether the caller may change the job (cancel, edit, archive, re-run): admins, and the
+// members and owners of its project. A viewer's page is read-only; the server decides
+// either way (403), this only spares them buttons that cannot work.
+async function mayChange(job, session) {
+  if (session && session.is_admin) return true;
+  try {
+    const project = await api(`/v1/projects/${encodeURIComponent(job.project)}`);
+    return project.role === "member" || project.role === "owner";
+  } catch { return true; } // unknown: show the buttons, the server answers
+}
+
+export async function jobPage(root, { params, navigate, session }) {
   const id = params[0];
   let start;
   try {
@@ -38,10 +49,15 @@ export async function jobPage(root, { params, navigate }) {
     h("section", {}, h("h2", {}, "Log"), parts.logs), h("section", {}, h("h2", {}, "Spec"), parts.spec), dialog);
 
   const charts = new Map(); // group title -> MetricChart
-  let job = null, es = null, logOffset = null, closed = false;
+  let job = null, es = null, logOffset = null, closed = false, canChange = null;
 
   async function refreshJob() {
     job = await api(jobPath(id));
+    if (canChange === null) {
+      canChange = await mayChange(job, session);
+      if (!canChange) org.el.style.display = "none"; // CSS display beats `hidden`
+      root.dataset.readonly = canChange ? "" : "true";
+    }
     renderHead(); renderInfo(); renderAttempts(); org.update(job);
     parts.spec.textContent = JSON.stringify(job.spec, null, 2);
     ensureCharts(Object.keys(job.latest_metrics));
@@ -50,12 +66,14 @@ export async function jobPage(root, { params, navigate }) {
 
   function renderHead() {
     const live = !TERMINAL.has(job.state);
-    const cancel = live && job.state !== JOB.CANCELLING
+    const cancel = canChange && live && job.state !== JOB.CANCELLING
       ? h("button", { class: "danger", id: "cancel", onclick: confirmCancel }, "Cancel…") : null;
+    const actions = canChange
+      ? headActions(job, { dialog, errorsIn: parts.head, refresh: () => refreshJob().catch(() => {}), navigate })
+      : h("span", { class: "muted small", id: "read-only" }, `view only: you are a viewer of ${job.project}`);
     replace(parts.head,
       h("div", {}, h("h1", { id: "job-name" }, job.name), h("div", { class: "muted mono small" }, job.id)),
-      h("div", { class: "head-right" }, h("span", { id: "job-state" }, stateBadge(job.state)), cancel,
-        headActions(job, { dialog, errorsIn: parts.head, refresh: () => refreshJob().catch(() => {}), navigate })));
+      h("div", { class: "head-right" }, h("span", { id: "job-state" }, stateBadge(job.state)), cancel, actions));
   }
 
   function renderInfo() {
