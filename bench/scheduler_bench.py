@@ -23,9 +23,9 @@ Goals: a pass <= 100 ms; dispatch p50 <= 50 ms.
 
 The fill pass is run old against new, alternating, on the same data: "old" is main's write
 path (copied below and patched in for its passes: arrays in psycopg's text format,
-attempts, assignments and the workers' claim as three statements) on main's schema (a copy
-of the database downgraded to migration 0008: no fillfactor on `jobs`, the indexes 0009
-dropped); "new" is the code and schema as they are. Both are reported with their CPU time
+attempts, assignments and the workers' claim as three statements) on main's schema of
+then (a copy of the database with migration 0009 undone: no fillfactor on `jobs`, the
+indexes 0009 dropped back); "new" is the code and schema as they are. Both are reported with their CPU time
 besides the wall clock: this process's thread and the PostgreSQL backend's
 (/proc/<pid>/schedstat: the server is local), which a shared machine's load disturbs far
 less than the wall clock.
@@ -73,7 +73,6 @@ import torchyard.store.states as states
 from torchyard.scheduler.cycle import MAX_RANKS_PER_PASS, run_pass, schedule
 from torchyard.settings import Settings
 from torchyard.store.db import dispose_engines, session_scope
-from torchyard.store.migrate import downgrade
 from torchyard.store.models import Assignment, Attempt, Job, User, Worker, utcnow
 from torchyard.store.queue import FreeWorker, QueuedJob, Started
 from torchyard.store.states import A_STARTING, QUEUED, STARTING
@@ -222,11 +221,29 @@ def vacuum(url: str, what: str) -> None:
     eng.dispose()
 
 
+# Migration 0009 undone on a copy of the current schema: its indexes back, `jobs` without
+# its fillfactor. Not a downgrade to 0008: the read path (the same in both runs) needs the
+# columns later migrations added (users.max_priority, jobs.hold_until, workers.warm_since,
+# jobs.project_id), which a downgrade would drop.
+UNDO_0009 = (
+    "DROP INDEX ix_attempts_preempted_by",
+    "CREATE INDEX ix_attempts_preempted_by ON attempts (preempted_by)",
+    "DROP INDEX ix_jobs_sweep_id",
+    "CREATE INDEX ix_jobs_sweep_id ON jobs (sweep_id)",
+    "CREATE INDEX ix_attempts_job_id ON attempts (job_id)",
+    "CREATE INDEX ix_assignments_attempt_id ON assignments (attempt_id)",
+    "CREATE INDEX ix_jobs_queued_order ON jobs (priority DESC, created_at, id) "
+    "WHERE state = 'queued'",
+    "CREATE INDEX ix_jobs_owner_id ON jobs (owner_id)",
+    "ALTER TABLE jobs RESET (fillfactor)",
+)
+
+
 @contextmanager
 def old_schema_copy(admin_url: str, url: str) -> Iterator[str]:
-    """A copy of the bench database at main's schema (migration 0008: the indexes 0009
-    dropped, `jobs` without its fillfactor), dropped afterwards: its URL. Both databases'
-    `jobs` are rewritten, so that each has the pages its schema makes."""
+    """A copy of the bench database with migration 0009 undone (`UNDO_0009`: its dropped
+    indexes back, `jobs` without its fillfactor), dropped afterwards: its URL. Both
+    databases' `jobs` are rewritten, so that each has the pages its schema makes."""
     dispose_engines()  # CREATE DATABASE … TEMPLATE needs the template unused
     name = url.rsplit("/", 1)[1]
     old_url = f"{url}_old"
@@ -234,7 +251,11 @@ def old_schema_copy(admin_url: str, url: str) -> Iterator[str]:
     with admin.connect() as c:
         c.execute(text(f'CREATE DATABASE "{name}_old" TEMPLATE "{name}"'))
     try:
-        downgrade(old_url, "0008")
+        eng = create_engine(old_url)
+        with eng.begin() as c:
+            for sql in UNDO_0009:
+                c.execute(text(sql))
+        eng.dispose()
         for u in (url, old_url):
             vacuum(u, "FULL ANALYZE jobs")
         yield old_url
