@@ -3,28 +3,22 @@ archive (and finding an archived job by its id prefix), delete (asking first on 
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable
 
 import pytest
 from client_server import SPEC, Store
 
-from torchyard.client.cli import main
 from torchyard.client.sdk import Client, rerun_spec, set_at
 
 Run = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def run(http: object, token: str, capsys: pytest.CaptureFixture[str]) -> Run:
-    """As alice (the `token` fixture's user)."""
-
-    def _run(*argv: str) -> tuple[int, str, str]:
-        rc = main([*argv, "--token", token], http=http)  # type: ignore[arg-type]
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return _run
+def run(run: Run, token: str) -> Run:
+    """conftest's `run`, as alice (the `token` fixture's user)."""
+    return functools.partial(run, token=token)
 
 
 def test_rerun_sets_each_change_and_records_the_original(run: Run, ty: Client) -> None:

@@ -4,6 +4,7 @@ Ctrl-C while following, the first plain progress line, and 429 as its own error.
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 from client_server import SPEC, STEPS, Store
 
 from torchyard.client import errors
-from torchyard.client.cli import follow_job, main
+from torchyard.client.cli import follow_job
 from torchyard.client.sdk import Client, _last_lines
 from torchyard.store.paths import LOG_FILE, job_dir
 
@@ -22,13 +23,9 @@ Run = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def run(http: object, token: str, capsys: pytest.CaptureFixture[str]) -> Run:
-    def _run(*argv: str) -> tuple[int, str, str]:
-        rc = main([*argv, "--token", token], http=http)  # type: ignore[arg-type]
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return _run
+def run(run: Run, token: str) -> Run:
+    """conftest's `run`, as alice (the `token` fixture's user)."""
+    return functools.partial(run, token=token)
 
 
 def _ids(out: str) -> list[str]:

@@ -138,7 +138,7 @@ def test_archive_and_delete_from_the_job_page(world: World, new_page: Callable[[
 
 
 def test_a_viewer_sees_a_read_only_job_page_and_a_member_the_buttons(
-    world: World, new_page: Callable[[], Any]
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
 ) -> None:
     from sqlalchemy import update
 
@@ -162,6 +162,7 @@ def test_a_viewer_sees_a_read_only_job_page_and_a_member_the_buttons(
     for button in ("#rerun", "#archive", "#delete", "#tag-input"):
         assert not page.is_visible(button), button
     assert page.inner_text("#job-name") == "shared"  # and everything else is there to read
+    shot(page, "viewer-job")
     page = new_page()
     login(page, world.base, tokens["max"], f"/jobs/{job}")
     page.wait_for_selector("#rerun")
