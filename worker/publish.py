@@ -12,8 +12,9 @@ the worker's threads move them.
   are deleted from the store once their rows say so.
 - The job log (`LogShipper`): the bytes the worker's log pump writes to the local log are
   appended to the stored log every SHIP_S, so the API serves and follows the log of a job
-  on any host, and after that host is gone. Rank 0's host writes `output.log`; another
-  rank's host its own `output.rank<R>.log` (an object has one appender at a time).
+  on any host, and after that host is gone. Rank 0 writes `output.log`, any other rank
+  its own `output.rank<R>.log`, locally and in the store (an object has one appender at a
+  time, and two ranks on one host share its working copy).
 - The events file (`align_events`): the store records where each job's events end (an
   offset into events.jsonl); a new host's events file is made to end there (a sparse file
   of that size) so offsets go on from the record. What a trainer wrote that its worker had

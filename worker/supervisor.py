@@ -67,7 +67,7 @@ from torchyard.store.checkpoints import recorded_sha256
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced
 from torchyard.store.metrics import metric_names
-from torchyard.store.paths import EVENTS_FILE, LOG_FILE
+from torchyard.store.paths import EVENTS_FILE, LOG_FILE, rank_log_file
 from torchyard.store.pruning import Pruning
 from torchyard.store.states import CANCELLING
 from torchyard.worker.events import (
@@ -263,6 +263,10 @@ class Supervision:
         self.shipper: LogShipper | None = None
         self.launched_at = time.monotonic()
         self.events_path = self.run_dir / EVENTS_FILE
+        # The log this rank writes here. On an object store each rank has its own (one
+        # appender per object), and ranks of one job on one host share the working copy:
+        # a shared local file would be shipped, and overwritten, by both.
+        self.log_path = self.run_dir / (rank_log_file(c.rank) if self.remote else LOG_FILE)
         self.recorder = EventRecorder(
             c.job_id,
             c.attempt_id,
@@ -383,14 +387,14 @@ class Supervision:
     def _log_line(self, text: str) -> None:
         """A marker in the job log. Best effort: a full disk must not wedge the worker."""
         try:
-            append_to_log(self.run_dir / LOG_FILE, text)
+            append_to_log(self.log_path, text)
         except OSError as e:
             log.warning("job %s: could not write to the job log (%s)", self.c.job_id, e)
 
     def launch(self, p: Prepared) -> None:
         if self.remote:  # before the first line of this attempt's log
             key = log_key_for_rank(self.c.job_id, self.c.rank)
-            self.shipper = LogShipper(self.storage, self.run_dir / LOG_FILE, key)
+            self.shipper = LogShipper(self.storage, self.log_path, key)
         now = datetime.now(UTC).isoformat(timespec="seconds")
         how = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
         self._log_line(
@@ -449,7 +453,7 @@ class Supervision:
             argv=trainer_argv(launch),
             env=env,
             cwd=self.run_dir,
-            log_path=self.run_dir / LOG_FILE,
+            log_path=self.log_path,
             warm_ok=launch.world_size == 1,
             max_log_bytes=self.ctx.settings.max_log_bytes,
             runs_code=runs_code(self.c.spec),

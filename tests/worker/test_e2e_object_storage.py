@@ -52,10 +52,12 @@ class Hosts:
     def __init__(self, c: Cluster, tmp: Path, store: Any) -> None:
         self.c, self.tmp, self.store = c, tmp, store
 
-    def start(self, name: str) -> None:
-        root = self.tmp / f"host-{name}"
+    def start(self, name: str, host: str | None = None) -> None:
+        """Worker `name` on host `host` (default: a host of its own); workers of one host
+        share its cache, each with its own home."""
+        root = self.tmp / f"host-{host or name}"
         env = {
-            "TORCHYARD_HOME": str(root / "home"),
+            "TORCHYARD_HOME": str(root / f"home-{name}"),
             "TORCHYARD_STORAGE_ROOT": str(root / "cache"),
         }
         self.c.start_worker(name, env)
@@ -174,3 +176,31 @@ def test_a_host_killed_mid_run_resumes_on_another_bitwise_equal(
     # The replayed steps were stored once each, with no gap.
     steps, _ = c.metrics(job["id"], "train/loss")
     assert steps == list(range(5, done["progress"]["total_steps"] + 1, 5))
+
+
+def _rank_log(c: Cluster, job_id: str, rank: int) -> str:
+    r = c.http.get(f"/v1/jobs/{job_id}/logs", params={"rank": rank, "limit": 1 << 20})
+    assert r.status_code == 200, r.text
+    return str(r.json()["data"])
+
+
+def test_two_ranks_on_one_host_each_keep_their_own_log(hosts: Hosts) -> None:
+    """Both ranks of a job on one host share its working copy: each still writes and ships
+    its own log (one file, one appender each), so neither overwrites the other's lines."""
+    c = hosts.c
+    for name in ("a", "b"):
+        if name in c.procs:  # the other hosts' workers go: both ranks land on host d
+            c.kill(name, signal.SIGTERM)
+            c.procs[name].wait(timeout=60)
+    hosts.start("d0", host="d")
+    hosts.start("d1", host="d")
+    c.wait_workers(2)
+    spec = LONG | {"world_size": 2, "epochs": 1, "batch_size": 64}
+    done = c.wait_state(c.submit(spec)["id"], "succeeded", timeout=240)
+    workers = {w["worker_id"] for w in done["attempts"][0]["workers"]}
+    assert workers == {"d0", "d1"}
+    for rank, other in ((0, 1), (1, 0)):
+        text = _rank_log(c, done["id"], rank)
+        assert f"attempt 1, rank {rank}/2" in text, (rank, text[:500])
+        assert f"attempt 1, rank {other}/2" not in text
+        assert "\x00" not in text
