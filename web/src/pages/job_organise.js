@@ -19,8 +19,9 @@ export function tagChips(tags, { onRemove, onClick } = {}) {
 export function organiser(id, changed) {
   let job = null, notesDirty = false;
   const tags = h("span", { class: "jtags", id: "job-tags" });
-  const tagInput = h("input", { type: "text", id: "tag-input", placeholder: "add a tag ⏎", maxlength: "64", size: "16" });
-  const notes = h("textarea", { id: "job-notes", rows: "3", maxlength: "10000", placeholder: "notes about this run" });
+  // Both stay disabled until the job has been read: an edit is computed from its tags.
+  const tagInput = h("input", { type: "text", id: "tag-input", placeholder: "add a tag ⏎", maxlength: "64", size: "16", disabled: true });
+  const notes = h("textarea", { id: "job-notes", rows: "3", maxlength: "10000", placeholder: "notes about this run", disabled: true });
   const save = h("button", { id: "save-notes", disabled: true }, "Save notes");
   const message = h("span", { class: "small", id: "organise-message" });
   const el = h("section", { class: "organise" },
@@ -46,7 +47,7 @@ export function organiser(id, changed) {
       : h("span", { class: "muted small" }, "none"));
   }
   tagInput.addEventListener("keydown", (e) => {
-    if (e.key !== "Enter") return;
+    if (e.key !== "Enter" || !job) return;
     const t = tagInput.value.trim();
     if (!t) return;
     if (!TAG_RE.test(t)) return say(`a tag is 1 to 64 letters, digits or _ . : / = + -`, true);
@@ -61,6 +62,7 @@ export function organiser(id, changed) {
     // The job as last read: tags always, the notes unless they are being edited.
     update(j) {
       job = j;
+      tagInput.disabled = notes.disabled = false;
       renderTags();
       if (!notesDirty) notes.value = j.notes || "";
     },
