@@ -40,6 +40,7 @@ from torchyard.api.routers import (
     ui,
     ui_jobs,
     users,
+    webhooks,
     workers,
 )
 from torchyard.contracts.spec import JobSpec
@@ -175,7 +176,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The dashboard (ui: its page and logins, ui_jobs: its table) last: its page paths
     # never shadow an API route.
     routers = (jobs, job_edits, job_data, job_events, checkpoints, bundles, workers, users, queue,
-               health, meta, sweeps, tokens, audit, projects, sso, ui_jobs, ui)  # fmt: skip
+               health, meta, sweeps, tokens, audit, projects, webhooks, sso, ui_jobs, ui)  # fmt: skip
     for module in routers:
         app.include_router(module.router)
     if settings.api_docs:

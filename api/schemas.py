@@ -122,6 +122,9 @@ class Series(BaseModel):
     max: list[float | None] | None = Field(
         default=None, description="with max_points only: each point's bucket maximum"
     )
+    times: list[float] | None = Field(
+        default=None, description="with times=true (raw pages): each point's Unix time"
+    )
 
 
 class MetricsOut(BaseModel):
@@ -142,6 +145,28 @@ class LogChunk(BaseModel):
     next_offset: int = Field(description="ask for this offset next")
     size: int = Field(description="size of the whole log in bytes now")
     complete: bool = Field(description="the job has ended and next_offset reached its size")
+
+
+class LogLine(BaseModel):
+    offset: int = Field(description="byte offset of the line's start in the log")
+    text: str = Field(description="the line without its ending, cut at 4 KiB (UTF-8 kept whole)")
+
+
+class LogMatch(LogLine):
+    cut: bool = Field(description="the line was longer than 4 KiB and is cut")
+    before: list[LogLine] = Field(description="up to `context` lines before it")
+    after: list[LogLine] = Field(description="up to `context` lines after it")
+
+
+class LogMatches(BaseModel):
+    """`GET /v1/jobs/{id}/logs?grep=`: the matching lines of one bounded scan."""
+
+    matches: list[LogMatch]
+    offset: int = Field(description="where this scan began")
+    next_offset: int = Field(description="ask again with offset = next_offset to go on")
+    size: int = Field(description="size of the whole log in bytes when the scan began")
+    scanned: int = Field(description="bytes searched by this request")
+    complete: bool = Field(description="the scan reached the end of the log (as it was)")
 
 
 class CheckpointOut(_Out):

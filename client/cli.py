@@ -49,6 +49,7 @@ from torchyard.client.cmd_results import (
 )
 from torchyard.client.cmd_sweeps import add_sweep_commands, resolve_sweep_id
 from torchyard.client.cmd_tokens import add_token_commands
+from torchyard.client.cmd_webhooks import add_webhook_commands
 from torchyard.client.config import resolve
 from torchyard.client.errors import APIError, TorchyardError
 from torchyard.client.follow import follow_job, follow_sweep, progress_line, summary_line
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_commands(sub, common)
     add_audit_command(sub, common)
     add_project_commands(sub, common)
+    add_webhook_commands(sub, common)
     add_login_command(sub)
     return p
 

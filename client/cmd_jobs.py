@@ -25,8 +25,10 @@ from torchyard.client.cli_common import (
 )
 from torchyard.client.errors import Conflict
 from torchyard.client.follow import follow_job
+from torchyard.client.logsearch import add_grep_options, cmd_grep
 from torchyard.client.sdk import TERMINAL_STATES, Client, load_spec
 from torchyard.client.specfile import print_warnings
+from torchyard.client.sysview import is_system
 
 _MAX_PAGE = 500  # the most jobs GET /v1/jobs answers with at once
 _INTERVAL_HELP = "--follow: at most one refresh of the job's progress per this many seconds"
@@ -88,6 +90,7 @@ def add_job_commands(cmd: Callable[..., Any]) -> None:
     start = sp.add_mutually_exclusive_group()
     start.add_argument("--offset", type=int, default=0, help="start at this byte")
     start.add_argument("-n", "--tail", type=int, metavar="N", help="start at the last N lines")
+    add_grep_options(sp)  # --grep, --ignore-case, --context: client/logsearch.py
 
 
 def _rank(value: str) -> int:
@@ -248,6 +251,8 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_logs(client: Client, args: argparse.Namespace) -> int:
     job_id = client.resolve_job_id(args.job)
+    if args.grep is not None:
+        return cmd_grep(client, job_id, args)  # client/logsearch.py
     out = sys.stdout
     offset = args.offset
     if args.tail is not None:
@@ -296,7 +301,7 @@ def describe_job(job: dict) -> RenderableType:
     for key in ("created_at", "started_at", "finished_at"):
         if job.get(key):
             rows.append((key.removesuffix("_at"), f"{job[key]} ({age(job[key])} ago)"))
-    lm = job.get("latest_metrics") or {}
+    lm = {n: v for n, v in (job.get("latest_metrics") or {}).items() if not is_system(n)}
     if lm:
         rows.append(("metrics", ", ".join(f"{n} {_metric_value(v)}" for n, v in lm.items())))
     attempts = job.get("attempts") or []

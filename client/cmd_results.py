@@ -1,4 +1,5 @@
-"""A job's results: the metrics command (a table, CSV or a terminal plot) and the download
+"""A job's results: the metrics command (a table, CSV, a terminal plot; TensorBoard files:
+client/tbexport.py) and the download
 command (a checkpoint, resumable, sha256-verified), with the CSV writer, the step-by-series
 rows both the table and the CSV are made of, and what a download prints."""
 
@@ -14,6 +15,8 @@ from typing import Any, TextIO
 from torchyard.client import render
 from torchyard.client.cli_common import EXIT_FAIL, EXIT_OK, JOB_HELP, err, show
 from torchyard.client.sdk import Client, Download
+from torchyard.client.sysview import cmd_system, only_training, training_names
+from torchyard.client.tbexport import cmd_tensorboard
 
 # A table longer than this is downsampled by the server: rich lays a table out cell by cell
 # (about 2 ms a row), and nobody reads ten thousand rows on a terminal (--csv has them all).
@@ -24,13 +27,25 @@ def add_result_commands(cmd: Callable[..., Any]) -> None:
     """metrics and download."""
     sp = cmd("metrics", cmd_metrics, "show a job's metrics as a table, CSV or a plot")
     sp.add_argument("job", help=JOB_HELP)
+    sp.add_argument("more", nargs="*", metavar="JOB", help="more jobs (with --tensorboard)")
     sp.add_argument(
         "--name", action="append", help="only this series (repeatable), e.g. --name val/loss"
     )
     out = sp.add_mutually_exclusive_group()
     out.add_argument("--csv", action="store_true", help="CSV: step, then one column per series")
     out.add_argument("--plot", action="store_true", help="draw the loss curves in the terminal")
+    out.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write every point as TensorBoard event files, one run per job under DIR",
+    )
     sp.add_argument("--max-points", type=int, help="downsample each series on the server")
+    sp.add_argument(
+        "--system",
+        action="store_true",
+        help="the system series (sys/: CPU, memory, GPU; by time): latest, min, max "
+        "(with --csv every point); the default view leaves them out",
+    )
     sp.add_argument("--log", action="store_true", help="--plot with a logarithmic y axis")
     sp.add_argument("--width", type=int, default=72, help="--plot width in characters")
     sp.add_argument("--height", type=int, default=18, help="--plot height in lines")
@@ -48,11 +63,22 @@ def add_result_commands(cmd: Callable[..., Any]) -> None:
 
 
 def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
+    if args.tensorboard is not None or args.more:
+        return cmd_tensorboard(client, args)  # client/tbexport.py
     job_id = client.resolve_job_id(args.job)
+    if args.system:
+        return cmd_system(client, job_id, args)  # client/sysview.py
     max_points = args.max_points
     if args.plot and max_points is None:
         max_points = max(args.width * 2, 50)
-    series = client.metrics(job_id, name=args.name, max_points=max_points)
+    # Without --name: every series but the system ones (client/sysview.py).
+    wanted = args.name or training_names(client, job_id)
+
+    def fetch(points: int | None) -> dict[str, Any]:
+        got = client.metrics(job_id, name=wanted, max_points=points) if wanted != [] else {}
+        return got if args.name else only_training(got)
+
+    series = fetch(max_points)
     if not series:
         err(f"no metrics yet for job {job_id}")
         return EXIT_FAIL
@@ -68,7 +94,7 @@ def cmd_metrics(client: Client, args: argparse.Namespace) -> int:
     else:
         names, rows = wide_rows(series)
         if len(rows) > TABLE_MAX_ROWS and max_points is None:
-            series = client.metrics(job_id, name=args.name, max_points=TABLE_MAX_ROWS)
+            series = fetch(TABLE_MAX_ROWS)
             names, rows = wide_rows(series)
             print(
                 f"note: {TABLE_MAX_ROWS} rows at most in a table: each row is the last point "

@@ -24,6 +24,7 @@ from torchyard.client.cli_common import (
 from torchyard.client.errors import ConnectError, TorchyardError, Unavailable
 from torchyard.client.sdk import TERMINAL_STATES, Client
 from torchyard.client.sweep_view import describe_sweep, sweep_summary_line
+from torchyard.client.sysview import is_system
 
 # -- following a job ----------------------------------------------------------------------------
 
@@ -112,6 +113,8 @@ class _Follower:
 
     def on_metric(self, data: dict) -> None:
         name, step, value = data.get("name"), int(data.get("step", 0)), data.get("value")
+        if is_system(name or ""):
+            return  # the worker's samples: their step is a Unix second, not training's
         if name and (name not in self.latest or step >= self.latest[name][0]):
             self.latest[name] = (step, value)
         if self.step is None or step >= self.step:

@@ -404,6 +404,59 @@ class Client:
                     break
         return series
 
+    def metric_pages(
+        self, job_id: str, *, name: str | list[str] | None = None
+    ) -> Iterator[dict[str, dict[str, list]]]:
+        """Every raw point of the job's series (all of them, or `name`), one server page at a
+        time as the server cut it ({name: {"steps", "values", "times"}}, every series of a
+        page cut at the same step), following `next_after_step`: an export of a
+        million-point job never holds it whole."""
+        job_id = self._jid(job_id)
+        after: int | None = None
+        names = [name] if isinstance(name, str) else name
+        while True:
+            body = self._json(
+                "GET",
+                f"/v1/jobs/{job_id}/metrics",
+                params={"name": names, "after_step": after, "times": "true"},
+            )
+            yield body.get("series", {})
+            after = body.get("next_after_step")
+            if after is None:
+                return
+
+    def grep_logs(
+        self,
+        job_id: str,
+        pattern: str,
+        *,
+        ignore_case: bool = False,
+        context: int = 2,
+        offset: int = 0,
+        limit_matches: int | None = None,
+        rank: int = 0,
+    ) -> Iterator[dict]:
+        """A search of the job's log on the server (a fixed string, not a regex): each
+        answer ({"matches": [{"offset", "text", "cut", "before", "after"}], "next_offset",
+        "size", "scanned", "complete"}) in turn, following `next_offset` until the end of
+        the log (as it was when each request began)."""
+        job_id = self._jid(job_id)
+        while True:
+            params: dict[str, Any] = {
+                "grep": pattern,
+                "ignore_case": "true" if ignore_case else "false",
+                "context": context,
+                "offset": offset,
+                "limit_matches": limit_matches,
+                "rank": rank or None,
+            }
+            body = self._json("GET", f"/v1/jobs/{job_id}/logs", params=params)
+            yield body
+            nxt = int(body.get("next_offset", offset))
+            if body.get("complete") or nxt <= offset:
+                return
+            offset = nxt
+
     def logs(
         self, job_id: str, *, offset: int = 0, limit: int | None = None, rank: int = 0
     ) -> dict:
@@ -847,6 +900,36 @@ class Client:
         params = {"user": user, "action": action, "target": target, "project": project,
                   "since": since, "until": until, "limit": limit, "cursor": cursor}  # fmt: skip
         return dict(self._json("GET", "/v1/audit", params=params))
+
+    # -- webhooks ---------------------------------------------------------------------------
+
+    def webhooks(self) -> list[dict]:
+        """Your webhooks and those of the projects you own, each {"id", "url", "events",
+        "project", "owner", "active", "secret" (masked), "created_at"}."""
+        return list(self._json("GET", "/v1/webhooks").get("items", []))
+
+    def create_webhook(
+        self,
+        url: str,
+        events: Sequence[str],
+        *,
+        secret: str | None = None,
+        project: str | None = None,
+    ) -> dict:
+        """A webhook POSTing `events` to `url`; the answer holds its `secret`, this once."""
+        body = {"url": url, "events": list(events), "secret": secret, "project": project}
+        return dict(self._json("POST", "/v1/webhooks", json={k: v for k, v in body.items() if v}))
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self._json("DELETE", f"/v1/webhooks/{_seg(webhook_id)}")
+
+    def webhook_deliveries(
+        self, webhook_id: str, *, limit: int | None = None, cursor: str | None = None
+    ) -> dict:
+        """One page of a webhook's deliveries, newest first, each with its `attempts`."""
+        params = {"limit": limit, "cursor": cursor}
+        path = f"/v1/webhooks/{_seg(webhook_id)}/deliveries"
+        return dict(self._json("GET", path, params=params))
 
     def ready(self) -> bool:
         """True when /readyz answers 200 (no token needed)."""

@@ -297,9 +297,16 @@ def _checkpoint_problem(ev: CheckpointEvent) -> str | None:
     return None
 
 
+# The worker's system metrics (worker/sysmetrics.py) are the only series under this prefix:
+# a trainer's event naming one is set aside, so a job cannot forge its own GPU use.
+SYS_PREFIX = "sys/"
+
+
 def _typed_problem(ev: EventBase, limits: EventLimits) -> str | None:
     """The rules of one event type."""
     if isinstance(ev, MetricEvent | RungEvent) and ev.name is not None:
+        if ev.name.startswith(SYS_PREFIX):  # what the worker measures, not what a job says
+            return f"metric name {ev.name[:40]!r}: {SYS_PREFIX} is the worker's system metrics"
         if len(ev.name) > limits.metric_name_chars:
             return f"metric name of {len(ev.name)} characters (at most {limits.metric_name_chars})"
         if not ev.name or _CONTROL.search(ev.name):

@@ -1,5 +1,6 @@
-"""`torchyard scheduler [--tick SECONDS] [--reserve-after SECONDS]`: run the scheduler
-process (scheduler/process.py)."""
+"""`torchyard scheduler [--tick SECONDS] [--reserve-after SECONDS] [--metrics-port PORT]`: run
+the scheduler process (scheduler/process.py), its Prometheus metrics served when a port is
+given (scheduler/metrics.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a job waiting this long reserves idle workers (no more backfill past it)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://TORCHYARD_METRICS_ADDR:PORT/metrics "
+        "(default: TORCHYARD_METRICS_PORT; off when neither is set)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -34,6 +43,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.tick <= 0:
         p.error("--tick must be > 0")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        p.error("--metrics-port must be 1 to 65535")
     private_umask()
     setup_logging(args.log_level)
     settings = load_settings()
@@ -46,6 +57,13 @@ def main(argv: list[str]) -> int:
         return 2
 
     # Only now: the process loads Celery and the store, which `--help` never needs.
+    from torchyard.scheduler.metrics import serve
     from torchyard.scheduler.process import Scheduler
 
-    return Scheduler(settings, tick_s=args.tick, reserve_after_s=args.reserve_after).run()
+    scheduler = Scheduler(settings, tick_s=args.tick, reserve_after_s=args.reserve_after)
+    port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
+    if port is not None and not serve(
+        scheduler.metrics.registry, port, settings.metrics_addr, "torchyard scheduler"
+    ):
+        return 2
+    return scheduler.run()

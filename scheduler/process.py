@@ -27,6 +27,8 @@ from torchyard.scheduler.cycle import (
     resend_due,
     run_pass,
 )
+from torchyard.scheduler.metrics import SchedulerMetrics
+from torchyard.scheduler.notify import Notifier
 from torchyard.scheduler.policy import RESERVE_AFTER_S
 from torchyard.scheduler.sweeps import SweepController
 from torchyard.settings import Settings
@@ -70,6 +72,9 @@ class Scheduler:
         # monotonic time since which every store call of the tick succeeded (None: failing)
         self._store_ok_since: float | None = None
         self.sweeps = SweepController(settings)
+        # The webhook sender (scheduler/notify.py): its own thread, woken with the passes.
+        self.notifier = Notifier(settings)
+        self.metrics = SchedulerMetrics(settings.db_url)  # served only with a metrics port
 
     def _send(self, assignment_id: int, queue: str) -> bool:
         try:
@@ -88,6 +93,7 @@ class Scheduler:
         with self._lock:
             more = True
             while more:
+                started = time.monotonic()
                 with session_scope(self.settings.db_url) as s:
                     out, more = run_pass(
                         s,
@@ -102,6 +108,7 @@ class Scheduler:
                 # arrives.
                 for d in out:
                     self._send(d.assignment_id, d.queue)
+                    self.metrics.dispatched(started)
                     log.info(
                         "job %s rank %d -> %s (assignment %d, %s)",
                         d.job_id,
@@ -110,6 +117,7 @@ class Scheduler:
                         d.assignment_id,
                         why,
                     )
+                self.metrics.pass_done(started, len({d.job_id for d in out}))
                 sent += out
         return sent
 
@@ -133,6 +141,7 @@ class Scheduler:
             reaped = reap_stale_workers(s, self.settings.heartbeat_timeout_s)
             unsupervised = lose_unsupervised_attempts(s)
             freed = release_orphaned_workers(s)
+        self.metrics.reaped(len(reaped), len(unsupervised), len(freed))
         if unsupervised:
             log.warning("attempts nobody supervised any more, lost: jobs %s", unsupervised)
         for wid, jobs in reaped:
@@ -170,6 +179,7 @@ class Scheduler:
                 if resend_due(self._last_sent, aid, RESEND_EVERY_S) and self._send(aid, queue):
                     log.info("re-sent assignment %d to %s (unclaimed)", aid, wid)
                     n += 1
+            self.metrics.reconciled(len(abandoned), len(expired), n)
             return n
 
     def tick(self) -> None:
@@ -180,6 +190,7 @@ class Scheduler:
             except Exception as e:  # the next tick retries; never kill the loop
                 ok = False
                 log.warning("scheduler %s failed: %s", step.__name__, e)
+                self.metrics.step_failed(step.__name__)
         remove_unused_bundles_due(self.settings)  # hourly at most; logs its own errors
         if not ok:
             self._store_ok_since = None
@@ -192,14 +203,19 @@ class Scheduler:
             self.tick()
 
     def _wake(self, *_: Any, **__: Any) -> None:
+        self.notifier.wake()  # a wake-up often follows a job's end
         try:
             self.schedule_pass("wake-up")
         except Exception as e:
             log.warning("scheduling pass failed: %s", e)
+            self.metrics.step_failed("schedule_pass")
 
     def run(self) -> int:
         t = threading.Thread(target=self._tick_loop, name="scheduler-tick", daemon=True)
         t.start()
+        threading.Thread(
+            target=self.notifier.run, args=(self._stop,), name="webhook-sender", daemon=True
+        ).start()
         self.app.task(name=SCHEDULE_TASK, acks_late=True, ignore_result=True)(self._wake)
         w = make_consumer(
             self.app, name=f"scheduler-{os.getpid()}", queue=control_queue(self.settings)

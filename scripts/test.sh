@@ -17,12 +17,28 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
 # The trainer's sandbox (worker/sandbox.py): under CI its tests fail, never skip, without it.
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+# promtool (tests/test_alert_rules.py) comes in Debian's `prometheus` package, whose install
+# would start a Prometheus server (and its node exporter) where the host runs systemd: a
+# policy-rc.d answering 101 keeps every service of this install stopped, as in Docker
+# images, and goes again after it (one already there is left as it is).
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "==> installing ${need[*]}"
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      policy=/usr/sbin/policy-rc.d
+      printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
+      trap 'rm -f "$policy"' EXIT
+    fi
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    if [ -n "$policy" ]; then rm -f "$policy"; trap - EXIT; fi
+    if [[ " ${need[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null 2>&1; then
+      # Only promtool is wanted: no server at the next boot either.
+      systemctl disable prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+    fi
   else
-    echo "note: ${need[*]} missing: the dashboard's browser tests will not run" >&2
+    echo "note: ${need[*]} missing: the tests that need them will not run" >&2
   fi
 fi
 if command -v npm >/dev/null 2>&1; then

@@ -196,9 +196,10 @@ def _raw_series(
     after_step: int,
     limit: int | None = None,
     max_step: int = NO_UPPER,
+    with_time: bool = False,
 ) -> dict[str, list[Any]]:
     q = (
-        select(Metric.step, Metric.value)
+        select(Metric.step, Metric.value, *([Metric.time] if with_time else []))
         .where(
             Metric.job_id == job_id,
             Metric.name == name,
@@ -208,7 +209,38 @@ def _raw_series(
         .order_by(Metric.step)
     )
     rows = session.execute(q if limit is None else q.limit(limit)).all()
-    return {"steps": [int(r[0]) for r in rows], "values": [r[1] for r in rows]}
+    out: dict[str, list[Any]] = {"steps": [int(r[0]) for r in rows], "values": [r[1] for r in rows]}
+    if with_time:
+        out["times"] = [r[2] for r in rows]
+    return out
+
+
+def point_rows(
+    session: Session,
+    job_id: str,
+    name: str,
+    *,
+    after_step: int | None = None,
+    min_step: int | None = None,
+    max_step: int | None = None,
+    limit: int,
+) -> list[tuple[int, float | None, float, float]]:
+    """One page of a series' raw points in step order: (step, epoch, value, time), at most
+    `limit`, after `after_step` and within [min_step, max_step] (an export pages on the last
+    step it got)."""
+    after, until = _range(after_step, min_step, max_step)
+    q = (
+        select(Metric.step, Metric.epoch, Metric.value, Metric.time)
+        .where(
+            Metric.job_id == job_id,
+            Metric.name == name,
+            Metric.step > after,
+            Metric.step <= until,
+        )
+        .order_by(Metric.step)
+        .limit(limit)
+    )
+    return [(int(r[0]), r[1], r[2], r[3]) for r in session.execute(q)]
 
 
 def _first_last(
@@ -317,13 +349,15 @@ def query_page(
     limit: int,
     min_step: int | None = None,
     max_step: int | None = None,
+    with_time: bool = False,
 ) -> tuple[dict[str, dict[str, list[Any]]], int | None]:
     """Raw curves within [min_step, max_step], at most `limit` points per curve, and the
     step to page on from (pass it back as `after_step`), None when every curve is complete.
-    All curves are cut at the same step, so paging returns each point exactly once."""
+    All curves are cut at the same step, so paging returns each point exactly once.
+    `with_time`: each curve's `times` too (Unix seconds of each point)."""
     wanted = names if names else metric_names(session, job_id)
     after, until = _range(after_step, min_step, max_step)
-    out = {n: _raw_series(session, job_id, n, after, limit + 1, until) for n in wanted}
+    out = {n: _raw_series(session, job_id, n, after, limit + 1, until, with_time) for n in wanted}
     cut = min(
         (c["steps"][limit - 1] for c in out.values() if len(c["steps"]) > limit), default=None
     )
@@ -331,7 +365,8 @@ def query_page(
         return out, None
     for c in out.values():
         keep = bisect.bisect_right(c["steps"], cut)
-        c["steps"], c["values"] = c["steps"][:keep], c["values"][:keep]
+        for k in c:
+            c[k] = c[k][:keep]
     return out, cut
 
 

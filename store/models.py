@@ -564,3 +564,84 @@ class UserIdentity(Base):
     last_login_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     __table_args__ = (UniqueConstraint("issuer", "user_id", name="uq_user_identities_user"),)
+
+
+class Webhook(Base):
+    """A subscription to job and sweep endings (store/webhooks.py): each event it names is
+    POSTed to `url`, signed with `secret` (kept, since signing needs it; the API shows it
+    once). It belongs to its owner (their own jobs and sweeps) or, with `project_id`, to a
+    project (every job and sweep of it; its owners manage it)."""
+
+    __tablename__ = "webhooks"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    project_id: Mapped[int | None] = mapped_column(
+        ForeignKey("projects.id", ondelete="CASCADE"), nullable=True
+    )
+    url: Mapped[str] = mapped_column(String(2000))
+    events: Mapped[list[str]] = mapped_column(JSON)
+    secret: Mapped[str] = mapped_column(String(256))
+    active: Mapped[bool] = mapped_column(
+        Boolean, default=True, server_default=true(), nullable=False
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (
+        Index("ix_webhooks_owner", "owner_id"),
+        Index("ix_webhooks_project", "project_id"),
+    )
+
+
+class WebhookDelivery(Base):
+    """The outbox: one event for one webhook, written in the transaction of the state change
+    it reports (store/webhooks.py), sent by scheduler/notify.py. `id` is the delivery's id
+    (X-Torchyard-Delivery, the same on every retry); `seq` orders the deliveries of one
+    (webhook, subject); `lease_until` is a sender's claim, which expires if it dies."""
+
+    __tablename__ = "webhook_deliveries"
+    seq: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(32), unique=True)
+    webhook_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
+    event: Mapped[str] = mapped_column(String(32))
+    subject: Mapped[str] = mapped_column(String(32))  # the job's or the sweep's id
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)  # the body, frozen at the change
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # pending, delivered, failed (gave up a day after created_at)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    claimed_by: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    __table_args__ = (
+        Index("ix_webhook_deliveries_webhook", "webhook_id", "seq"),
+        # The sender's claim reads the pending ones only (no entry once sent or given up).
+        Index(
+            "ix_webhook_deliveries_pending",
+            "webhook_id",
+            "subject",
+            "seq",
+            postgresql_where=literal_column("state = 'pending'"),
+            sqlite_where=literal_column("state = 'pending'"),
+        ),
+    )
+
+
+class WebhookAttempt(Base):
+    """One try at sending a delivery: when, how long, what the receiver answered (or why
+    nothing was sent). GET /v1/webhooks/{id}/deliveries shows them."""
+
+    __tablename__ = "webhook_attempts"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE")
+    )
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    duration_ms: Mapped[int] = mapped_column(Integer)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    __table_args__ = (Index("ix_webhook_attempts_delivery", "delivery_id", "id"),)

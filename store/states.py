@@ -23,6 +23,7 @@ from torchyard.contracts.states import (
 )
 from torchyard.store.dialect import in_list, is_postgres, unnest
 from torchyard.store.models import Job, JobEvent, UTCDateTime, table_of, utcnow
+from torchyard.store.webhooks import enqueue_job_events
 
 # Short names for the store's queries (the tables are contracts/states.py's).
 QUEUED, STARTING, RUNNING = JobState.QUEUED, JobState.STARTING, JobState.RUNNING
@@ -91,6 +92,8 @@ def transition(
         )
     for k, v in values.items():
         setattr(job, k, v)
+    if to_state in TERMINAL:  # its webhooks' deliveries, in this transaction
+        enqueue_job_events(session, [job.id], to_state, now)
     session.add(
         JobEvent(
             job_id=job.id,
@@ -147,4 +150,6 @@ def transition_many(
             insert(t),
             [{"job_id": j, "type": "state", "data": d, "created_at": now} for j, d in events],
         )
+    if to_state in TERMINAL:  # the jobs' webhooks' deliveries, in this transaction
+        enqueue_job_events(session, [j for j, _, _ in jobs], to_state, now)
     return True

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import and_, make_url, or_, select, text
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from torchyard.store.db import PG_CONNECT_ARGS, get_engine
 from torchyard.store.dialect import is_postgres
@@ -29,6 +29,7 @@ from torchyard.store.metrics import query_series
 from torchyard.store.models import Job, Sweep, SweepTrial, User, utcnow
 from torchyard.store.projects import ensure_personal, project_names, visible_projects
 from torchyard.store.states import CANCELLED, FAILED, RUNNING, SUCCEEDED, TERMINAL
+from torchyard.store.webhooks import enqueue_sweep_event
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
@@ -234,8 +235,13 @@ def cancel_sweep(session: Session, sweep: Sweep) -> bool:
 
 
 def finish_sweep(sweep: Sweep, state: str, error: str | None = None) -> None:
+    """End the sweep (succeeded, failed or cancelled) and, in its session's transaction,
+    write `sweep.completed` for its webhooks: every ending of a sweep fires it."""
     sweep.state, sweep.error = state, error
     sweep.finished_at = sweep.updated_at = utcnow()
+    session = object_session(sweep)
+    if session is not None:
+        enqueue_sweep_event(session, sweep)
 
 
 # --- the controller's reads and writes ----------------------------------------------------------

@@ -63,6 +63,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "the audit trail: who changed what, when, from where (admins; project owners)",
     ),
+    "webhook": (
+        "torchyard.client.cli",
+        "main",
+        "webhooks: `webhook create URL --event E …`, `webhook list`, `webhook delete ID`, "
+        "`webhook deliveries ID`",
+    ),
     "ui": (
         "torchyard.client.ui_cmd",
         "main",

@@ -128,6 +128,9 @@ class Settings(BaseSettings):
     metrics_page_points: int = Field(default=10_000, ge=100)
     """TORCHYARD_METRICS_PAGE_POINTS: most points per series a metrics response returns when
     `max_points` is not given; the rest is paged with `after_step`."""
+    log_grep_scan_bytes: int = Field(default=64 * 1024**2, ge=1024)
+    """TORCHYARD_LOG_GREP_SCAN_BYTES: most bytes of a job's log one search request
+    (`GET /v1/jobs/{id}/logs?grep=`) scans; it answers `next_offset` to go on from."""
     max_event_line_bytes: int = Field(default=64 * 1024, ge=1024)
     """TORCHYARD_MAX_EVENT_LINE_BYTES: longest line of a job's events.jsonl the worker reads;
     a longer one is set aside (counted, reported in the job log and its attempt's reason)."""
@@ -158,11 +161,32 @@ class Settings(BaseSettings):
     max_log_bytes: int = Field(default=256 * 1024**2, ge=4096)
     """TORCHYARD_MAX_LOG_BYTES: most bytes a job's log keeps; past it the log is cut with a
     marker line and further output is dropped while the job goes on."""
+    sys_metrics_interval_s: float = Field(default=5.0, ge=0)
+    """TORCHYARD_SYS_METRICS_INTERVAL_S: how often each worker samples its trainer's process
+    tree (CPU, memory) and its GPU into the job's `sys/…` series (worker/sysmetrics.py);
+    `0` turns sampling off. At least 1: the series are indexed by whole Unix seconds."""
+
+    @field_validator("sys_metrics_interval_s")
+    @classmethod
+    def _sys_metrics_interval(cls, v: float) -> float:
+        if 0 < v < 1:
+            raise ValueError("0 (off) or at least 1 second: the samples are indexed by second")
+        return v
+
     queue_prefix: str = Field(default="torchyard", pattern=r"^[A-Za-z0-9_.-]+$")
     """TORCHYARD_QUEUE_PREFIX: prefix of every broker queue name (one prefix per cluster)."""
     metrics_token: str | None = Field(default=None, min_length=16, max_length=200)
     """TORCHYARD_METRICS_TOKEN: a bearer token (16 characters or more) that may read
     `/metrics` without being a user, for a Prometheus scraper (default none: admins only)."""
+    metrics_port: int | None = None
+    """TORCHYARD_METRICS_PORT: the scheduler and each worker serve Prometheus metrics at
+    `http://<TORCHYARD_METRICS_ADDR>:<port>/metrics` (default: off; `--metrics-port`
+    overrides it; `torchyard up` gives its scheduler this port and worker i port + 1 + i).
+    The API serves its own at `/metrics` on its port. See docs/monitoring.md."""
+    metrics_addr: str = "127.0.0.1"
+    """TORCHYARD_METRICS_ADDR: the address the scheduler's and the workers' metrics listen on
+    (default 127.0.0.1: they name job ids and workers, and need no token, so exposing them
+    to a network, e.g. `0.0.0.0` for a Prometheus on another host, is the operator's call)."""
     trusted_proxies: str = ""
     """TORCHYARD_TRUSTED_PROXIES: comma-separated IPs or CIDRs of reverse proxies whose
     `X-Forwarded-Proto` and `X-Forwarded-For` are believed (default none): a login cookie
@@ -172,6 +196,22 @@ class Settings(BaseSettings):
     """TORCHYARD_API_DOCS: serve the interactive API docs at `/docs` and `/redoc` (off by
     default: their pages load scripts from a third-party CDN on the dashboard's origin;
     `/openapi.json` is always served and any OpenAPI viewer reads it)."""
+    webhook_deny_networks: str = (
+        "169.254.0.0/16,fe80::/10,100.100.100.200/32,fd00:ec2::254/128,0.0.0.0/32,::/128"
+    )
+    """TORCHYARD_WEBHOOK_DENY_NETWORKS: comma-separated CIDRs no webhook is ever sent to
+    (default: link-local and the clouds' metadata addresses; loopback and private networks
+    are allowed). Checked when a webhook is created (a literal address) and before each
+    send, on every address its host name resolves to (scheduler/notify.py)."""
+    webhook_poll_s: float = Field(default=1.0, gt=0, le=60)
+    """TORCHYARD_WEBHOOK_POLL_S: how often the scheduler's webhook sender looks for due
+    deliveries (it is also woken by every scheduler wake-up, e.g. a job's end)."""
+    webhook_timeout_s: float = Field(default=10.0, gt=0, le=60)
+    """TORCHYARD_WEBHOOK_TIMEOUT_S: seconds a webhook receiver has to connect and answer."""
+    webhook_retry_base_s: float = Field(default=10.0, gt=0, le=3600)
+    """TORCHYARD_WEBHOOK_RETRY_BASE_S: the first retry's delay; later ones grow (3, 6, 12,
+    30 … up to 360 times it, at most one hour), with ±20% jitter, for a day, then the
+    delivery is marked failed."""
     oidc_issuer: str | None = None
     """TORCHYARD_OIDC_ISSUER: single sign-on with this OpenID Connect provider (its issuer
     URL, https but for a loopback address; found by discovery,
@@ -233,6 +273,36 @@ class Settings(BaseSettings):
                 ) from None
         return v
 
+    @field_validator("webhook_deny_networks")
+    @classmethod
+    def _deny_networks(cls, v: str) -> str:
+        for part in _split(v):
+            try:
+                ipaddress.ip_network(part, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"TORCHYARD_WEBHOOK_DENY_NETWORKS: {part!r} is not an IP address or CIDR"
+                ) from None
+        return v
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _metrics_port(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= 65535:
+            raise ValueError(f"TORCHYARD_METRICS_PORT: {v} is not a port (1 to 65535)")
+        return v
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr(cls, v: str) -> str:
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(
+                f"TORCHYARD_METRICS_ADDR: {v!r} is not an IP address (e.g. 127.0.0.1, 0.0.0.0)"
+            ) from None
+        return v
+
     @field_validator("oidc_project_roles")
     @classmethod
     def _project_roles(cls, v: str) -> str:
@@ -288,6 +358,13 @@ class Settings(BaseSettings):
     def trusted_proxy_networks(self) -> tuple[IPNetwork, ...]:
         """TORCHYARD_TRUSTED_PROXIES parsed (checked at start)."""
         return tuple(ipaddress.ip_network(p, strict=False) for p in _split(self.trusted_proxies))
+
+    @property
+    def webhook_denied(self) -> tuple[IPNetwork, ...]:
+        """TORCHYARD_WEBHOOK_DENY_NETWORKS parsed (checked at start)."""
+        return tuple(
+            ipaddress.ip_network(p, strict=False) for p in _split(self.webhook_deny_networks)
+        )
 
     @property
     def sso_enabled(self) -> bool:

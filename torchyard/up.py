@@ -1,4 +1,5 @@
-"""`torchyard up [--workers N] [--port P]`: the whole service on one machine, in one command.
+"""`torchyard up [--workers N] [--port P] [--metrics-port BASE]`: the whole service on one
+machine, in one command.
 
 It applies the migrations, makes an admin token the first time (kept in
 `$TORCHYARD_HOME/admin-token`, mode 0600), then runs the API, the scheduler and one
@@ -52,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="API address (default 127.0.0.1)")
     p.add_argument("--cpu", action="store_true", help="CPU workers even when GPUs are present")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="BASE",
+        help="Prometheus metrics of the scheduler on BASE and of worker i on BASE+1+i, at "
+        "TORCHYARD_METRICS_ADDR (default: TORCHYARD_METRICS_PORT; off when neither is set)",
+    )
+    p.add_argument(
         "--storage-url",
         default=None,
         help="where checkpoints, logs and bundles live: s3://bucket/prefix for an object "
@@ -63,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TORCHYARD_STORAGE_URL"] = args.storage_url  # this process and its children
     if args.workers is not None and args.workers < 0:
         p.error("--workers must be >= 0")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        p.error("--metrics-port must be 1 to 65535")
     private_umask()  # the home, the database, logs and run files: this user's alone
     try:
         return Up(args).run()
@@ -199,6 +210,8 @@ class Up:
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
         self._plan(home, host, port)
+        base = self.args.metrics_port
+        self._metrics_ports(settings.metrics_port if base is None else base, settings.metrics_addr)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         # Where this home's API listens, for the CLI (kept after stopping: clients that
@@ -265,6 +278,28 @@ class Up:
         # Children must agree with this process on every path, whatever their cwd.
         self.env["TORCHYARD_HOME"] = str(home)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+
+    def _metrics_ports(self, base: int | None, addr: str) -> None:
+        """With a base port: the scheduler serves its metrics on it, worker i on base + 1 + i
+        (each child's own `--metrics-port`, kept across its restarts)."""
+        if base is None:
+            return
+        served = [c for c in self.children if c.name != "api"]  # the scheduler first
+        if base + len(served) - 1 > 65535:
+            raise UpError(f"metrics ports {base} to {base + len(served) - 1}: past 65535")
+        for i, c in enumerate(served):
+            if ":" not in addr and not _port_free(addr, base + i):
+                raise UpError(
+                    f"metrics port {base + i} on {addr} ({c.name}) is in use; pick another "
+                    "base with --metrics-port"
+                )
+            c.argv += ["--metrics-port", str(base + i)]
+        workers = [str(base + 1)] if len(served) == 2 else []
+        if len(served) > 2:
+            workers = [f"{base + 1}-{base + len(served) - 1}"]
+        say(
+            f"metrics  http://{addr}:PORT/metrics: scheduler {', workers '.join([str(base), *workers])}"
+        )
 
     # -- children -------------------------------------------------------------------------------
 

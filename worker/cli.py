@@ -1,5 +1,6 @@
-"""`torchyard worker (--gpu N | --device cpu) [--name ID]`: run one worker
-(worker/node.py). `torchyard scheduler` lives beside the scheduler (scheduler/cli.py)."""
+"""`torchyard worker (--gpu N | --device cpu) [--name ID] [--metrics-port PORT]`: run one
+worker (worker/node.py), its Prometheus metrics served when a port is given
+(worker/metrics.py). `torchyard scheduler` lives beside the scheduler (scheduler/cli.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ def _worker_parser() -> argparse.ArgumentParser:
         help="address other hosts use for this worker's rendezvous "
         "(default: $TORCHYARD_ADVERTISE_ADDR, else the host name's address)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://TORCHYARD_METRICS_ADDR:PORT/metrics "
+        "(default: TORCHYARD_METRICS_PORT; off when neither is set)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -47,6 +56,8 @@ def worker_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.gpu is not None and args.gpu < 0:
         p.error("--gpu must be >= 0")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        p.error("--metrics-port must be 1 to 65535")
     private_umask()
     setup_logging(args.log_level)
     settings = load_settings()
@@ -84,4 +95,10 @@ def worker_main(argv: list[str]) -> int:
         args.advertise_addr or advertise_address(settings.advertise_addr),
         lock,
     )
+    port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
+    if port is not None:
+        from torchyard.worker.metrics import serve
+
+        if not serve(node.ctx.metrics.registry, port, settings.metrics_addr, "torchyard worker"):
+            return 2
     return node.run()

@@ -88,6 +88,18 @@ class WorkerNode:
         say_sandbox(settings)
         self.app = make_celery(settings)
         self._asked_register_at = -REREGISTER_EVERY_S
+        self._store_state = "starting"  # as the store last told it: starting, idle or lost
+        self.ctx.metrics.state_of = self.state_name
+        gpu = "" if device.gpu is None else str(device.gpu)
+        self.ctx.metrics.identity = {"worker": worker_id, "device": device.kind, "gpu": gpu}
+
+    def state_name(self) -> str:
+        """The state the worker's metrics show (worker/metrics.py STATES)."""
+        if self.ctx.stopping.is_set():
+            return "stopping"
+        if self.ctx.current_assignment is not None:
+            return "busy"
+        return self._store_state
 
     @property
     def worker_id(self) -> str:
@@ -122,6 +134,7 @@ class WorkerNode:
         with session_scope(self.settings.db_url) as s:
             lost = register_worker(s, info)
         self._warm_told = info.warm
+        self._store_state = "idle"
         self.ctx.store_ok()
         if lost:
             log.warning("previous process of %s left jobs %s; marked lost", self.worker_id, lost)
@@ -155,6 +168,7 @@ class WorkerNode:
         with session_scope(self.settings.db_url) as s:
             state = heartbeat(s, self.worker_id, warm)
         self.ctx.store_ok()
+        self._store_state = "lost" if state in (LOST, None) else "idle"
         if (
             state in (LOST, None)
             and self.ctx.current_assignment is None

@@ -188,6 +188,14 @@ class CheckpointUploads:
             return False
         return sha256 is not None and info.sha256 == sha256
 
+    def pending(self) -> int:
+        """Checkpoints not yet durable in the store (queued, going up, or waiting to be
+        retried): the worker's metrics read it from another thread, hence the copy."""
+        return sum(
+            not (u.future.done() and u.future.exception() is None)
+            for u in list(self._uploads.values())
+        )
+
     def forget(self, paths: list[str]) -> None:
         """Recorded: their uploads are done with."""
         for p in paths:
@@ -249,6 +257,10 @@ class LogShipper:
                 return False
             self._offset += len(data)
             self._warned = False
+
+    def unshipped_bytes(self) -> int:
+        """Bytes of the local log not yet in the store (OSError once closed)."""
+        return max(0, os.fstat(self._fd).st_size - self._offset)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """The last ship: retried until it goes or `wait_s` passes (then what is left

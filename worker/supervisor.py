@@ -87,6 +87,7 @@ from torchyard.worker.launcher import (
     TrainerHandle,
     choose_launcher,
 )
+from torchyard.worker.metrics import WorkerMetrics
 from torchyard.worker.outcome import (
     STOP_CANCEL,
     STOP_PREEMPT,
@@ -110,6 +111,7 @@ from torchyard.worker.runfiles import append_to_log, file_size, write_spec_file
 from torchyard.worker.rungs import Rungs, prepare_rungs
 from torchyard.worker.runlimits import free_description, run_dir_over, storage_evidence
 from torchyard.worker.standby import WarmTrainer
+from torchyard.worker.sysmetrics import SystemSampler, record_samples
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,8 @@ class WorkerContext:
     launcher: Launcher | None = None
     # sweep trials' verdicts at their rungs (made at the first trial with rungs, kept)
     pruning: Pruning | None = None
+    # the worker's Prometheus metrics (worker/metrics.py), served when a port is given
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
 
     def store_ok(self) -> None:
         self.store_ok_at = time.monotonic()
@@ -286,6 +290,8 @@ class Supervision:
         self.rank_events_start = 0
         self.rungs: Rungs | None = None  # a sweep trial's rungs (worker/rungs.py)
         self.prune_reason: str | None = None
+        self.sampler: SystemSampler | None = None  # the trainer's sys/ series (sysmetrics.py)
+        self.sys_refused: set[str] = set()  # sys/ names the job's metric rules refused
 
     def _tx(self, fn: Callable[[Any], T]) -> T:
         with session_scope(self.db) as s:
@@ -410,6 +416,7 @@ class Supervision:
             self.rank_events_start = file_size(self.rank_events)
         self.trainer = trainer = self.ctx.trainer_launcher().start(request)
         self.ctx.trainer = trainer
+        self.ctx.metrics.trainer_started(self.c.attempt_number)
         if self.ctx.on_launch is not None:
             self.ctx.on_launch(trainer.pid)
         pid = trainer.pid
@@ -532,10 +539,12 @@ class Supervision:
         self.tail.max_line = self.recorder.limits.line_bytes
         self.ctx.run_dir_full, self.ctx.low_space_at = None, None
         self.ctx.watch_dir = self.run_dir  # the watchdog measures it from now on
+        self._start_sampler(trainer.pid)
         while True:
             now = time.monotonic()
             self.ctx.loop_beat = now
             rc = trainer.poll()
+            last_flush = self._take_samples(now, last_flush, rank0)
             if rank0:
                 last_flush, pruned_at = self._take_events(now, last_flush)
                 kill_at = pruned_at if pruned_at is not None else kill_at
@@ -563,12 +572,46 @@ class Supervision:
         # Whatever the trainer left in its group (torchrun ranks, loader workers) goes too.
         trainer.kill()
         self.ctx.watch_dir = None
+        self._stop_sampler(rank0)
         if rank0:
             try:
                 self._retry_drain()
             finally:
                 self.tail.close()
         return rc
+
+    def _start_sampler(self, pid: int) -> None:
+        """The trainer's system metrics, sampled in a thread (TORCHYARD_SYS_METRICS_INTERVAL_S;
+        0: none)."""
+        interval = self.ctx.settings.sys_metrics_interval_s
+        if interval > 0:
+            gpu, rank, job = self.ctx.device.cuda_visible, self.c.rank, self.c.job_id
+            sampler = SystemSampler(pid=pid, rank=rank, gpu=gpu, interval_s=interval, job_id=job)
+            self.sampler = sampler.start()
+
+    def _take_samples(self, now: float, last_flush: float, rank0: bool) -> float:
+        """Each poll: the sampler's rows into the recorder's batch (rank 0 flushes them with
+        the trainer's events; another rank, which has no events, on the same cadence) and
+        its notes into the job log. Returns when it last flushed."""
+        if self.sampler is None:
+            return last_flush
+        for line in self.sampler.take_notes():
+            self._log_line(line)
+        for line in record_samples(self.recorder, self.sampler.take(), self.sys_refused):
+            self._log_line(line)
+        if not rank0 and self.recorder.pending and now - last_flush >= FLUSH_S:
+            self._flush()
+            return now
+        return last_flush
+
+    def _stop_sampler(self, rank0: bool) -> None:
+        """The trainer has ended: its last samples into the batch (rank 0's drain writes them;
+        another rank tries once: they are not worth holding the attempt's end for)."""
+        if self.sampler is None:
+            return
+        self.sampler.stop()
+        self._take_samples(time.monotonic(), -math.inf, rank0)
+        self.sampler = None
 
     def _take_events(self, now: float, last_flush: float) -> tuple[float, float | None]:
         """Rank 0, each poll: read the trainer's new events, answer a rung, flush when due.
@@ -732,6 +775,7 @@ class Supervision:
             )
             return None
         if decision is not None:
+            self.ctx.metrics.attempt_ended(decision.outcome)
             log.info(
                 "job %s attempt %d rank %d: %s (%s) -> job %s",
                 self.c.job_id,
@@ -852,6 +896,8 @@ class Supervision:
             raise
         finally:
             self.ctx.trainer = None
+            if self.sampler is not None:
+                self.sampler.stop()
         self._log_line(
             f"===== torchyard: attempt {self.c.attempt_number}, rank {self.c.rank}: "
             f"trainer {describe_exit(rc)} =====\n"
@@ -903,7 +949,9 @@ def run_assignment(ctx: WorkerContext, assignment_id: int) -> bool:
         return False
     ctx.current_assignment = c.assignment_id
     try:
-        Supervision(ctx, c).run()
+        sup = Supervision(ctx, c)
+        with ctx.metrics.supervising(sup):
+            sup.run()
     finally:
         ctx.current_assignment = None
     return True

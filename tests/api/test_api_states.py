@@ -28,6 +28,13 @@ def test_openapi_lists_the_state_enums(client: TestClient) -> None:
         assert schemas[enum.__name__]["enum"] == [s.value for s in enum]
 
 
+def test_no_two_response_models_share_a_name(client: TestClient) -> None:
+    """Two models of one name get module-qualified schema names (`torchyard__api__…`),
+    which clients generated from the OpenAPI document then see."""
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    assert [k for k in schemas if "__" in k] == []
+
+
 def test_states_serialise_as_plain_strings(
     client: TestClient, factory: Factory, alice: dict[str, str]
 ) -> None:

@@ -30,6 +30,9 @@ CHAOS_SETTINGS = {
     "TORCHYARD_CANCEL_GRACE_S": "3",
     "TORCHYARD_RENDEZVOUS_TIMEOUT_S": "30",
     "TORCHYARD_TRAINER_THREADS": "1",
+    # The webhook sender's lease (2 x this + 5 s) expires soon after a scheduler is killed.
+    "TORCHYARD_WEBHOOK_TIMEOUT_S": "2",
+    "TORCHYARD_WEBHOOK_RETRY_BASE_S": "1",
 }
 # Room for a long run's cached checkpoints; the disk_full fault fills whatever is left.
 TMPFS_SIZE = "1g"

@@ -19,6 +19,7 @@ from safetensors.torch import load
 from sqlalchemy import create_engine, select
 from torch import Tensor, equal
 
+from torchyard.contracts.eventmodel import SYS_PREFIX
 from torchyard.storage import Storage, job_key
 from torchyard.store.models import Checkpoint, Metric
 from torchyard.store.paths import EVENTS_FILE, job_dir
@@ -115,6 +116,27 @@ def stored_weights(store: Storage, job_id: str, rows: Iterable[CheckpointRow]) -
         return load(f.read())
 
 
+def notification_problems(
+    jobs: dict[str, dict[str, Any]], received: Iterable[tuple[str, str, str]]
+) -> list[str]:
+    """No notification lost: every job that ended has a webhook POST of its terminal event
+    received (`received`: (X-Torchyard-Delivery, X-Torchyard-Event, the body's job id) per
+    POST; duplicates allowed, at least once) and one delivery id per (job, event)."""
+    ids: dict[tuple[str, str], set[str]] = {}
+    for delivery, event, job_id in received:
+        ids.setdefault((job_id, event), set()).add(delivery)
+    problems = []
+    for job_id, j in jobs.items():
+        if j["state"] not in ("succeeded", "failed", "cancelled"):
+            continue
+        got = ids.get((job_id, f"job.{j['state']}"), set())
+        if not got:
+            problems.append(f"{job_id}: no job.{j['state']} notification received")
+        elif len(got) > 1:
+            problems.append(f"{job_id}: job.{j['state']} notified as {len(got)} deliveries")
+    return problems
+
+
 @dataclass
 class Report:
     jobs: int = 0
@@ -147,10 +169,11 @@ class Report:
 
 
 def _metrics(r: Report, c: Any, job_id: str, evs: list[dict[str, Any]]) -> None:
-    """Every metric a trainer wrote is stored, and nothing else."""
+    """Every metric a trainer wrote is stored, and nothing else (the workers' own `sys/`
+    series are theirs: a trainer's `sys/` event is set aside, tests/worker)."""
     wrote = {(e["name"], e["step"]) for e in evs if e.get("type") == "metric"}
     stored = set(c.execute(select(Metric.name, Metric.step).where(Metric.job_id == job_id)).all())
-    stored = {(n, int(s)) for n, s in stored}
+    stored = {(n, int(s)) for n, s in stored if not n.startswith(SYS_PREFIX)}
     lost, extra = wrote - stored, stored - wrote
     r.lost_metrics += len(lost)
     r.extra_metrics += len(extra)

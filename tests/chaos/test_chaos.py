@@ -6,7 +6,8 @@ random moments, the object store going away among them. Then: every job succeede
 metric the trainers wrote is stored once, every checkpoint on record is an object in the
 store with its recorded size and sha256, every succeeded job's weights are stored as
 recorded and equal an uninterrupted run's bit for bit, no two attempts of a job ever ran
-at once, and nothing is left running or busy.
+at once, every job's ending reached a webhook receiver (no notification lost), and
+nothing is left running or busy.
 
 Bounded by default (part of `bash scripts/test.sh`); `-m chaos --chaos-minutes N` soaks.
 Replay a failure with `--chaos-seed S` (the seed is printed first)."""
@@ -35,13 +36,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "worker"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scheduler"))
 
 from cluster import REMOTE, ChaosCluster
 from faults import Injector, leftover_trainers
-from invariants import check
+from invariants import check, notification_problems
 from netns import SecondHost
 from seaweed import Seaweed, SeaweedError, start_seaweed
 from services import PrivatePostgres, PrivateRedis, missing_tools
+from webhook_receiver import Receiver, receiver
 from worker_cluster import ROOT, checkpointed_and_running, wait_for
 
 pytestmark = pytest.mark.chaos
@@ -166,6 +169,12 @@ def test_nothing_lost_nothing_stuck_under_faults(
         log_lines.append(line)
         print(line, flush=True)
 
+    hooks = contextlib.ExitStack()
+    rx = hooks.enter_context(receiver())  # every job's ending is POSTed here (webhook)
+    request.addfinalizer(hooks.close)
+    r = c.http.post("/v1/webhooks", json={"url": f"{rx.url}/ok",
+                    "events": ["job.succeeded", "job.failed", "job.cancelled"]})  # fmt: skip
+    assert r.status_code == 201, r.text
     refs_pool = ThreadPoolExecutor(max_workers=1)
     refs = {k: refs_pool.submit(_reference, k, tmp_path / "ref" / k) for k in SPECS}
 
@@ -248,6 +257,7 @@ def test_nothing_lost_nothing_stuck_under_faults(
     store = c.object_store(tmp_path / "checker-cache")
     report = check(c.pg.url(), store, c.caches, final, references)
     report.problems.extend(cross_host_problems(c, cross["id"], final[cross["id"]]))
+    report.problems.extend(_notifications(rx, final))
     numbers = re.compile(r"[0-9a-f]{32}|\d+(\.\d+)?")
     endings = Counter(
         f"{a['state']}: {numbers.sub('#', a.get('reason') or '')[:90]}"
@@ -282,6 +292,19 @@ def test_nothing_lost_nothing_stuck_under_faults(
     assert set(injector.done) == set(Injector.KINDS), injector.done
     assert report.problems == [], "\n".join(report.problems)
     assert leftover == [] and busy == []
+
+
+def _notifications(rx: Receiver, final: dict[str, dict[str, Any]]) -> list[str]:
+    """No notification lost: each ended job's webhook POST arrives (the sender retries and
+    a killed scheduler's leases expire; waits up to a minute for the last ones)."""
+
+    def seen() -> list[tuple[str, str, str]]:
+        return [(r.delivery, r.headers.get("x-torchyard-event", ""),
+                 json.loads(r.body).get("job", {}).get("id", "")) for r in rx.received()]  # fmt: skip
+
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not notification_problems(final, seen()), 60, "every notification")
+    return notification_problems(final, seen())
 
 
 def cross_host_problems(c: ChaosCluster, job_id: str, final: dict[str, Any]) -> list[str]:

@@ -10,7 +10,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from invariants import CheckpointRow, checkpoint_problems, events_of, overlaps, weights_problem
+from invariants import (
+    CheckpointRow,
+    checkpoint_problems,
+    events_of,
+    notification_problems,
+    overlaps,
+    weights_problem,
+)
 
 from torchyard.storage.memory import MemoryStorage
 from torchyard.store.paths import EVENTS_FILE
@@ -88,3 +95,16 @@ def test_events_are_read_from_every_host_including_a_sparse_start(tmp_path: Path
     (b / "jobs" / JOB / EVENTS_FILE).write_bytes(b"\0" * (len(first) - 1) + b"\n" + second)
     evs = events_of([a, b, tmp_path / "c"], JOB)
     assert [(e["attempt"], e["step"]) for e in evs] == [(1, 1), (2, 2)]
+
+
+def test_notification_check() -> None:
+    jobs = {"a": {"state": "succeeded"}, "b": {"state": "failed"}, "c": {"state": "running"}}
+    assert notification_problems(jobs, [("d1", "job.succeeded", "a"), ("d1", "job.succeeded", "a"),
+                                        ("d2", "job.failed", "b")]) == []  # fmt: skip
+    lost = notification_problems(jobs, [("d1", "job.succeeded", "a")])
+    assert lost == ["b: no job.failed notification received"]
+    wrong = notification_problems(jobs, [("d1", "job.failed", "a"), ("d2", "job.failed", "b")])
+    assert wrong == ["a: no job.succeeded notification received"]
+    twice = notification_problems(jobs, [("d1", "job.succeeded", "a"), ("d3", "job.succeeded", "a"),
+                                         ("d2", "job.failed", "b")])  # fmt: skip
+    assert twice == ["a: job.succeeded notified as 2 deliveries"]

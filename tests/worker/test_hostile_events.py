@@ -128,6 +128,7 @@ HOSTILE_LINES = [
     (_line(type="metric", step=1, name="a\u0000b", value=1.0), "NUL"),
     (_line(type="metric", step=1, name="a\nb", value=1.0), "control characters"),
     (_line(type="metric", step=1, name="big", value=10**400), "finite"),
+    (_line(type="metric", step=1, name="sys/gpu_util_percent", value=0.0), "system metrics"),
     (_line(type="progress", step=1, eta_s=1, total_steps=2**70), "total_steps"),
     (_line(type="checkpoint", step=1, path="../other-job/x.pt", sha256="a" * 64), "inside"),
     (_line(type="checkpoint", step=1, path="/etc/passwd", sha256="a" * 64), "relative"),

@@ -101,9 +101,13 @@ export class MetricChart {
   // sources: [{job, name, label, color, dash?, title?, width?, alpha?}]; one curve (with
   // its band) each; `title`: the full label, where `label` is a short one; `width` (px)
   // and `alpha` (0–1) set one curve apart: a sweep's best trial, its pruned ones.
-  constructor(el, { title, sources }) {
+  // `time`: the steps are Unix seconds (the worker's system series), drawn on a time axis;
+  // `format`: how a value reads in the legend and on the y axis (default: fmtNum).
+  constructor(el, { title, sources, time = false, format = null }) {
     this.el = el;
     this.sources = sources;
+    this.time = time;
+    this.format = format;
     this.overview = sources.map(() => normalize(null));
     this.zoomed = null;
     this.range = null;
@@ -220,7 +224,7 @@ export class MetricChart {
   }
 
   options() {
-    const series = [{ label: "step" }];
+    const series = [{ label: this.time ? "time" : "step" }];
     const bands = [];
     this.sources.forEach((s, i) => {
       const base = 1 + 3 * i;
@@ -237,13 +241,13 @@ export class MetricChart {
       series,
       bands,
       legend: { show: false },
-      scales: { x: { time: false }, y: this.log ? { distr: 3, log: 10 } : { distr: 1 } },
+      scales: { x: { time: this.time }, y: this.log ? { distr: 3, log: 10 } : { distr: 1 } },
       axes: [
-        // Steps are whole numbers: so are the x ticks.
-        { incrs: STEP_INCRS, space: stepSpace, values: (u, splits, i, space, incr) => tickLabels(splits, incr, { exp: false }) },
+        // Steps are whole numbers: so are the x ticks. Times: uPlot's own time axis.
+        this.time ? {} : { incrs: STEP_INCRS, space: stepSpace, values: (u, splits, i, space, incr) => tickLabels(splits, incr, { exp: false }) },
         this.log
           ? { size: axisSize, filter: logLabelled, values: (u, splits) => splits.map(logTickLabel) }
-          : { size: axisSize, values: (u, splits, i, space, incr) => tickLabels(splits, incr) },
+          : { size: axisSize, values: (u, splits, i, space, incr) => (this.format ? splits.map(this.format) : tickLabels(splits, incr)) },
       ],
       cursor: {
         drag: { x: true, y: false, setScale: false },
@@ -269,12 +273,13 @@ export class MetricChart {
   showValues(idx) {
     const data = this.u ? this.u.data : this.data();
     const xs = data[0];
-    this.stepEl.textContent = idx != null && xs[idx] != null ? `step ${xs[idx]}` : "";
+    const at = (x) => (this.time ? new Date(x * 1000).toLocaleString() : `step ${x}`);
+    this.stepEl.textContent = idx != null && xs[idx] != null ? at(xs[idx]) : "";
     this.sources.forEach((s, i) => {
       const ys = data[1 + 3 * i] || [];
       let k = idx;
       if (k == null) { k = ys.length - 1; while (k >= 0 && ys[k] == null) k--; }
-      this.legendValues[i].textContent = k != null && k >= 0 ? fmtNum(ys[k]) : "–";
+      this.legendValues[i].textContent = k != null && k >= 0 ? (this.format || fmtNum)(ys[k]) : "–";
     });
   }
 

@@ -1,12 +1,16 @@
 // One job: state and attempts (with their causes), pending reason, progress, one chart per
 // metric group (live while it runs), the log (followed while it runs), checkpoints with
 // their download links, Cancel, and the spec. Live through the job's own event stream.
-// Its tags, notes, archive, delete and re-run: job_organise.js.
+// Its tags, notes, archive, delete and re-run: job_organise.js. Its System panel (the
+// workers' samples, by time): job_system.js. The log's search box:
+// job_logsearch.js.
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, metricGroups } from "../chart.js";
 import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { ATTEMPT, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 import { headActions, organiser } from "./job_organise.js";
+import { isSystem, systemPanel } from "./job_system.js";
+import { logSearch } from "./job_logsearch.js";
 
 const LOG_TAIL = 256 * 1024;
 const LOG_END = "4611686018427387904"; // 2**62, the largest offset: the answer is the size
@@ -45,8 +49,9 @@ export async function jobPage(root, { params, navigate, session }) {
   };
   const dialog = h("dialog", { id: "confirm-cancel" });
   const org = organiser(id, () => refreshJob());
-  replace(root, parts.head, parts.info, org.el, parts.charts, parts.attempts, parts.checkpoints,
-    h("section", {}, h("h2", {}, "Log"), parts.logs), h("section", {}, h("h2", {}, "Spec"), parts.spec), dialog);
+  const system = systemPanel(id); // the workers' sys/ series, on a time axis
+  replace(root, parts.head, parts.info, org.el, parts.charts, system.el, parts.attempts, parts.checkpoints,
+    h("section", {}, h("h2", {}, "Log"), logSearch(id).el, parts.logs), h("section", {}, h("h2", {}, "Spec"), parts.spec), dialog);
 
   const charts = new Map(); // group title -> MetricChart
   let job = null, es = null, logOffset = null, closed = false, canChange = null;
@@ -109,7 +114,8 @@ export async function jobPage(root, { params, navigate, session }) {
   }
 
   function ensureCharts(names) {
-    for (const group of metricGroups(names)) {
+    system.update(names);
+    for (const group of metricGroups(names.filter((n) => !isSystem(n)))) {
       const chart = charts.get(group.title);
       if (chart && group.names.every((n) => chart.sources.some((s) => s.name === n))) continue;
       const el = h("div", { class: "chart", dataset: { group: group.title } });
@@ -184,6 +190,7 @@ export async function jobPage(root, { params, navigate, session }) {
   function follow() {
     es = stream(`${jobPath(id)}/events${query({ last_event_id: start })}`, {
       metric: (m) => {
+        if (isSystem(m.name)) { if (!system.append(m)) system.update([...system.names(), m.name]); return; }
         const chart = charts.get(metricGroups([m.name])[0].title);
         if (!chart || !chart.append(id, m.name, m.step, m.value)) ensureCharts([...allNames(), m.name]);
         progressSoon(); // progress moves with the curves; the stream does not carry it
@@ -195,7 +202,7 @@ export async function jobPage(root, { params, navigate, session }) {
         if (logOffset != null && s.log_size > logOffset) logSoon();
         if (job && (s.pending_reason || null) !== (job.pending_reason || null)) jobSoon();
       },
-      end: () => { stop(); refreshJob(); refreshCheckpoints(); refreshLog(); for (const c of charts.values()) c.load(); },
+      end: () => { stop(); refreshJob(); refreshCheckpoints(); refreshLog(); for (const c of charts.values()) c.load(); system.load(); },
     });
   }
   const allNames = () => [...charts.values()].flatMap((c) => c.sources.map((s) => s.name));
@@ -213,5 +220,6 @@ export async function jobPage(root, { params, navigate, session }) {
     stop();
     jobSoon.cancel(); logSoon.cancel(); ckptSoon.cancel(); progressSoon.cancel();
     for (const c of charts.values()) c.destroy();
+    system.destroy();
   };
 }
