@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 CHUNK_BYTES = 4 * 1024 * 1024  # one read of the log
 MAX_LINE_BYTES = 4096  # a line (match or context) is cut at this length in an answer
 MAX_ANSWER_BYTES = 4 * 1024 * 1024  # line text one answer carries at most
-SEED_BYTES = 64 * 1024
-AFTER_BYTES = (
-    1024 * 1024
-)  # read past the scan's end for the last matches' `after` lines  # read before `offset` for the first match's `before` lines
+SEED_BYTES = 64 * 1024  # read before `offset` for the first match's `before` lines
+AFTER_BYTES = 1024 * 1024  # read past the scan's end for the last matches' `after` lines
 
 Reader = Callable[[int, int], tuple[bytes, int]]
 
