@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DB_SCHEMES = ("sqlite", "postgresql", "postgresql+psycopg")
@@ -261,28 +261,15 @@ class Settings(BaseSettings):
             )
         return v
 
-    @field_validator("trusted_proxies")
+    @field_validator("trusted_proxies", "webhook_deny_networks")
     @classmethod
-    def _proxies(cls, v: str) -> str:
+    def _networks(cls, v: str, info: ValidationInfo) -> str:
         for part in _split(v):
             try:
                 ipaddress.ip_network(part, strict=False)
             except ValueError:
-                raise ValueError(
-                    f"TORCHYARD_TRUSTED_PROXIES: {part!r} is not an IP address or CIDR"
-                ) from None
-        return v
-
-    @field_validator("webhook_deny_networks")
-    @classmethod
-    def _deny_networks(cls, v: str) -> str:
-        for part in _split(v):
-            try:
-                ipaddress.ip_network(part, strict=False)
-            except ValueError:
-                raise ValueError(
-                    f"TORCHYARD_WEBHOOK_DENY_NETWORKS: {part!r} is not an IP address or CIDR"
-                ) from None
+                name = f"TORCHYARD_{(info.field_name or '').upper()}"
+                raise ValueError(f"{name}: {part!r} is not an IP address or CIDR") from None
         return v
 
     @field_validator("metrics_port")
