@@ -848,10 +848,6 @@ class Supervision:
         if isinstance(e, BadEndpoint | StorageNotShared):  # the workers' setup: counted, retried
             return Decision(A_FAILED, str(e), str(e), True)
         why = f"launch failed on worker {self.ctx.worker_id}: {e}"
-        if isinstance(e, UploadPending):
-            # Earlier attempts' checkpoints still going up (the object store slow or out of
-            # reach): not the job's fault; handed back, backing off, resumed once stored.
-            return Decision(A_HANDED_BACK, f"object store: {why}", None, False)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             # The storage, not the job: hand it back (not counted) to retry when there is room.
             return Decision(A_HANDED_BACK, f"storage full: {why}", None, False)

@@ -436,32 +436,6 @@ def test_a_full_disk_the_worker_sees_still_hands_back(
         assert "storage full" in (att.reason or "")
 
 
-def test_uploads_still_pending_at_launch_hand_the_job_back_uncounted(
-    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker that restarts while earlier attempts' checkpoints are still going up to
-    the object store cannot record them before it launches: that is the store's delay, not
-    the job's failure, so the attempt is handed back and not counted against max_restarts."""
-    from torchyard.worker.publish import UploadPending
-
-    def pending(self: supervisor.Supervision) -> None:
-        raise UploadPending("1 checkpoint(s) still going up to the object store")
-
-    monkeypatch.setattr(supervisor.Supervision, "_prepare", pending)
-    settings = _settings(sqlite_url, tmp_path)
-    with session_scope(sqlite_url) as s:
-        job, _, assignment_id = _placed(s, max_restarts=0)
-        job_id = job.id
-    ctx = WorkerContext(settings, "w1", CPU, "127.0.0.1")
-    assert run_assignment(ctx, assignment_id)
-    with session_scope(sqlite_url) as s:
-        att = s.scalars(select(Attempt).where(Attempt.job_id == job_id)).one()
-        assert att.state == "handed_back", att.reason
-        assert "still going up" in (att.reason or "")
-        j = s.get(Job, job_id)
-        assert j is not None and j.state == "queued"  # max_restarts 0, yet not failed
-
-
 def test_a_job_handed_back_again_and_again_backs_off(session: Session) -> None:
     """Hand-backs are not counted; one that repeats now waits longer each time before a
     pass may start the job again, and its pending reason says why."""
