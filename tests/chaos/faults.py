@@ -49,12 +49,34 @@ class Injector:
     def kill_scheduler(self) -> None:
         self.c.kill("scheduler", signal.SIGKILL)
         time.sleep(self.rng.uniform(0.5, 3))
-        self.c.restart("scheduler")
+        self._restart_until_up("scheduler", lambda: False)
 
     def kill_api(self) -> None:
         self.c.kill("api", signal.SIGKILL)
         time.sleep(self.rng.uniform(0.5, 2))
-        self.c.restart("api")
+        healthy = lambda: self.c.http.get("/healthz").status_code == 200  # noqa: E731
+        self._restart_until_up("api", healthy, settle_s=float("inf"))
+
+    def _restart_until_up(self, name: str, up: Callable[[], bool], settle_s: float = 10) -> None:
+        """Start `name` again as compose's `restart: unless-stopped` would: a service checks
+        its storage at start and exits when the object store is away (the next fault may be
+        its outage), so one that exits is started again until it is up (`up()`, or still
+        running after `settle_s`)."""
+        self.c.restart(name)
+        started, deadline = time.monotonic(), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            if self.c.procs[name].poll() is not None:
+                self.log(f"  {name} exited at its start: started again")
+                self.c.restart(name)
+                started = time.monotonic()
+                continue
+            with contextlib.suppress(Exception):
+                if up():
+                    return
+            if time.monotonic() - started >= settle_s:
+                return
+        raise AssertionError(f"{name} did not come back up within 120 s")
 
     def freeze_worker(self) -> None:
         w = self._target()
