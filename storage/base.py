@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol
 
-from torchyard.storage.keys import check_key
+from torchyard.storage.keys import check_key, job_key, stored_file_key
 
 if TYPE_CHECKING:
     from torchyard.settings import Settings
@@ -208,9 +208,18 @@ class Storage(ABC):
         """The object's name in messages."""
         return f"{self.scheme}://{check_key(key)}"
 
-    def presign(self, key: str, expires_s: int) -> str | None:
+    def checkpoint_key(self, job_id: str, relative: str, sha256: str) -> str:
+        """Where a job's recorded checkpoint or weights file is stored: the run directory's
+        own file where run directories are stored (`stored_run_dirs`), else the object a
+        worker uploaded, named by its sha256 too (storage/keys.py `stored_file_key`)."""
+        if self.stored_run_dirs:
+            return job_key(job_id, relative)
+        return stored_file_key(job_id, relative, sha256)
+
+    def presign(self, key: str, expires_s: int, filename: str | None = None) -> str | None:
         """A URL that GETs the object straight from the store (honouring Range) for
-        `expires_s` seconds; None on a backend without one."""
+        `expires_s` seconds, saved as `filename` where given (Content-Disposition); None
+        on a backend without one."""
         check_key(key)
         return None
 

@@ -26,6 +26,7 @@ __all__ = [
     "job_key",
     "job_prefix",
     "scope_of",
+    "stored_file_key",
 ]
 
 JOBS = "jobs"  # jobs/<job_id>/…: a job's run directory, all attempts
@@ -74,6 +75,18 @@ def job_key(job_id: str, relative: str) -> str:
     """The key of a file of a job, `relative` to its run directory (as the trainer's
     events name it); UnsafePath when `relative` would leave it."""
     return f"{job_prefix(job_id)}/{check_key(relative)}"
+
+
+def stored_file_key(job_id: str, relative: str, sha256: str) -> str:
+    """The key of a checkpoint or weights file an object store holds: its run-directory
+    key with its sha256 appended (`…/step-00000040.pt.sha256-<hex>`). The name says which
+    bytes it holds, so a fenced attempt still uploading (its worker cut off from the
+    database, not from the store) can never overwrite the file a later attempt recorded
+    under the same path; identical bytes land on one key. UnsafePath for a sha256 that is
+    not 64 lowercase hex digits."""
+    if not is_bundle_id(sha256):
+        raise UnsafePath(f"not a sha256 (64 lowercase hex digits): {sha256!r}")
+    return f"{job_key(job_id, relative)}.sha256-{sha256}"
 
 
 def is_bundle_id(value: object) -> bool:

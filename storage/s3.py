@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import io
 import os
+import re
 import secrets
 import socket
 import threading
@@ -86,6 +87,7 @@ _T = TypeVar("_T")
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _REFUSED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"}
 _BUSY = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")  # what a presigned download is saved as
 
 
 class _PastEnd(Exception):
@@ -533,11 +535,14 @@ class S3Storage(Storage):
     def run_dir(self, job_id: str) -> Path:
         return self.cache.root / job_prefix(job_id)
 
-    def presign(self, key: str, expires_s: int) -> str:
+    def presign(self, key: str, expires_s: int, filename: str | None = None) -> str:
+        params = {"Bucket": self.bucket, "Key": self._name(key)}
+        if filename is not None:  # the stored name carries its sha256: say the file's own
+            params["ResponseContentDisposition"] = (
+                f'attachment; filename="{_SAFE_NAME.sub("_", filename)}"'
+            )
         url = self.client.generate_presigned_url(
-            "get_object",
-            Params={"Bucket": self.bucket, "Key": self._name(key)},
-            ExpiresIn=int(expires_s),
+            "get_object", Params=params, ExpiresIn=int(expires_s)
         )
         return cast(str, url)
 

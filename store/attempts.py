@@ -16,7 +16,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from torchyard.storage import Storage
-from torchyard.storage.keys import UnsafePath, job_key
+from torchyard.storage.keys import UnsafePath
 from torchyard.store.dialect import is_postgres
 from torchyard.store.jobs import bump_version_of_attempt, bump_version_sql
 from torchyard.store.lifecycle import Fenced, counted_failures, fence, finish_attempt
@@ -346,11 +346,11 @@ def hand_back_unclaimed(session: Session, worker_id: str, reason: str) -> list[s
     return jobs
 
 
-def _resume_candidates(session: Session, job_id: str) -> list[str]:
-    """A job's recorded resume checkpoints (not deleted), newest first, as paths relative
-    to its run directory."""
+def _resume_candidates(session: Session, job_id: str) -> list[tuple[str, str]]:
+    """A job's recorded resume checkpoints (not deleted), newest first, as (path relative
+    to its run directory, sha256)."""
     rows = session.execute(
-        select(Checkpoint.path)
+        select(Checkpoint.path, Checkpoint.sha256)
         .where(
             Checkpoint.job_id == job_id,
             Checkpoint.kind == "resume",
@@ -358,15 +358,15 @@ def _resume_candidates(session: Session, job_id: str) -> list[str]:
         )
         .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
     ).all()
-    return [rel for (rel,) in rows]
+    return [(rel, sha) for rel, sha in rows]
 
 
 def resume_pick(session: Session, job_id: str, storage: Storage) -> str | None:
     """The newest recorded resume checkpoint of a job whose file is still in storage
     (keep_last deletes old ones), relative to the run directory; None: a fresh start."""
-    for rel in _resume_candidates(session, job_id):
+    for rel, sha in _resume_candidates(session, job_id):
         try:
-            if storage.exists(job_key(job_id, rel)):
+            if storage.exists(storage.checkpoint_key(job_id, rel, sha)):
                 return rel
         except UnsafePath:
             continue

@@ -9,7 +9,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from torchyard.storage import Storage
-from torchyard.storage.keys import UnsafePath, job_key
+from torchyard.storage.keys import UnsafePath
 from torchyard.store.models import Checkpoint
 
 
@@ -75,10 +75,11 @@ def latest_checkpoint(session: Session, job_id: str, kind: str = "resume") -> Ch
     )
 
 
-def checkpoint_key(row: Checkpoint) -> str:
-    """The storage key of a checkpoint's file; UnsafePath when its recorded path would
+def checkpoint_key(storage: Storage, row: Checkpoint) -> str:
+    """The storage key of a checkpoint's file (`Storage.checkpoint_key`: in an object
+    store it names the recorded sha256 too); UnsafePath when its recorded path would
     leave its job's folder."""
-    return job_key(row.job_id, row.path)
+    return storage.checkpoint_key(row.job_id, row.path, row.sha256)
 
 
 def checkpoint_file(storage: Storage, row: Checkpoint) -> Path | None:
@@ -86,7 +87,7 @@ def checkpoint_file(storage: Storage, row: Checkpoint) -> Path | None:
     folder (symlinks resolved), FileNotFoundError when it is gone. Returns its own local
     file where the backend has one (what a FileResponse serves), else None (read it
     through `storage` by `checkpoint_key`)."""
-    key = checkpoint_key(row)
+    key = checkpoint_key(storage, row)
     path = storage.local_path(key)
     if path is None:
         storage.stat(key)
@@ -105,17 +106,23 @@ def checkpoint_available(storage: Storage, row: Checkpoint) -> bool:
     return True
 
 
-def mark_deleted(session: Session, job_id: str, paths: list[str]) -> int:
-    """Mark checkpoints whose files the trainer pruned (keep_last) as deleted."""
+def mark_deleted(session: Session, job_id: str, paths: list[str]) -> list[tuple[str, str]]:
+    """Mark checkpoints whose files the trainer pruned (keep_last) as deleted; the (path,
+    sha256) of each row this marked (what names its stored object)."""
     if not paths:
-        return 0
-    res = session.execute(
+        return []
+    rows = session.execute(
         update(Checkpoint)
-        .where(Checkpoint.job_id == job_id, Checkpoint.path.in_(paths))
+        .where(
+            Checkpoint.job_id == job_id,
+            Checkpoint.path.in_(paths),
+            Checkpoint.deleted.is_(False),
+        )
         .values(deleted=True)
+        .returning(Checkpoint.path, Checkpoint.sha256)
         .execution_options(synchronize_session=False)
-    )
-    return int(res.rowcount or 0)  # type: ignore[attr-defined]
+    ).all()
+    return [(p, h) for p, h in rows]
 
 
 def init_checkpoint(session: Session, job_id: str, which: str | int) -> Checkpoint | None:

@@ -349,6 +349,8 @@ class EventRecorder:
     # What checkpoints that were never stored (superseded, or gone) had pruned: their rows
     # still stop being listed.
     pruned_unrecorded: list[str] = field(default_factory=list)
+    # (path, sha256) of the rows the last write marked deleted: their stored objects go.
+    pruned_stored: list[tuple[str, str]] = field(default_factory=list)
     _reported: int = 0  # set-aside count last written to the attempt's reason
     # This attempt's trainer waits at these rungs for the pruner (worker/supervisor.py).
     rungs: list[RungEvent] = field(default_factory=list)
@@ -436,6 +438,7 @@ class EventRecorder:
 
     def _write_checkpoint(self, session: Session, c: CheckpointEvent) -> None:
         """One checkpoint row, in a savepoint: one the store refuses is set aside alone."""
+        marked: list[tuple[str, str]] = []
         try:
             with session.begin_nested():
                 record_checkpoint(
@@ -451,7 +454,8 @@ class EventRecorder:
                 )
                 # keep_last deleted these files: stop listing them for download or resume.
                 if c.pruned is not None:
-                    mark_deleted(session, self.job_id, c.pruned)
+                    marked = mark_deleted(session, self.job_id, c.pruned)
+            self.pruned_stored += marked  # only once its savepoint held
         except (UnsafePath, ValueError, TypeError) as e:
             log.warning("checkpoint event refused: %s", e)
             self.set_aside.add(f"checkpoint event refused: {e}")
@@ -463,7 +467,7 @@ class EventRecorder:
     def write(self, session: Session) -> None:
         """Write the buffer in the caller's transaction, fenced by the attempt (raises
         store.lifecycle.Fenced when it has ended); `clear()` after it commits."""
-        progress = None
+        progress, self.pruned_stored = None, []  # a retried write starts over
         if self.progress is not None and self.attempt_number is not None:
             progress = (self.attempt_number, self.progress)
         report = self.set_aside.count != self._reported
@@ -483,7 +487,7 @@ class EventRecorder:
         for c in self.checkpoints:
             self._write_checkpoint(session, c)
         if self.pruned_unrecorded:
-            mark_deleted(session, self.job_id, self.pruned_unrecorded)
+            self.pruned_stored += mark_deleted(session, self.job_id, self.pruned_unrecorded)
         if report:
             note_attempt(session, self.attempt_id, self.set_aside.summary())
 
@@ -505,8 +509,7 @@ class EventRecorder:
                 self._drop(stage, e)
         if self.uploads is not None:
             self.uploads.forget([c.path or "" for c in self.checkpoints])
-            pruned = [p for c in self.checkpoints for p in c.pruned or []]
-            self.uploads.delete_pruned(pruned + self.pruned_unrecorded)
+            self.uploads.delete_pruned(self.pruned_stored)
         self.clear()
 
     def _await_uploads(self) -> None:
@@ -553,6 +556,7 @@ class EventRecorder:
     def clear(self) -> None:
         """After `write` committed: the buffer is in the store, the set-aside count too."""
         self.metrics, self.checkpoints, self.pruned_unrecorded = [], [], []
+        self.pruned_stored = []
         self.progress, self.started_pending = None, False
         self._reported = self.set_aside.count
 

@@ -75,7 +75,8 @@ def init_file(settings: Settings, row: Checkpoint) -> Path:
     """A local file of an init checkpoint (what the trainer gets as `--init`), its
     recorded sha256 checked (a read of the whole file: never inside a store transaction)."""
     try:
-        return storage_for(settings).local_copy(checkpoint_key(row), sha256=row.sha256)
+        storage = storage_for(settings)
+        return storage.local_copy(checkpoint_key(storage, row), sha256=row.sha256)
     except ChecksumMismatch:
         raise InputError(
             f"init: job {row.job_id}'s {row.path} does not match its recorded sha256"

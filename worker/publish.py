@@ -5,7 +5,8 @@ the worker's threads move them.
 
 - Checkpoints and weights (`CheckpointUploads`): each announced file is uploaded, with the
   sha256 the trainer announced checked against the bytes sent, before its event is
-  recorded. The recorder asks `ready(event)` before each commit; until every checkpoint of
+  recorded, to a key that names that sha256 (`Storage.checkpoint_key`): a fenced attempt
+  still uploading can never replace what a later attempt recorded under the same path. The recorder asks `ready(event)` before each commit; until every checkpoint of
   the batch is durable it holds the batch (the trainer runs on), so the store never lists a
   checkpoint the object store does not hold. A store outage only delays the record: the
   files wait on the local disk and go up when it returns. Pruned checkpoints (keep_last)
@@ -161,11 +162,17 @@ class CheckpointUploads:
         return False
 
     def _upload(self, c: CheckpointEvent) -> None:
-        key = job_key(self.job_id, c.path or "")
+        if c.sha256 is None:
+            raise CheckpointRefused(
+                f"checkpoint {c.path!r}: announced without its sha256, which an object store "
+                "names it by (torchyard.job's checkpoint() writes it)"
+            )
         try:
-            src = self.local.open_read(key)
+            here = job_key(self.job_id, c.path or "")
+            key = self.storage.checkpoint_key(self.job_id, c.path or "", c.sha256)
+            src = self.local.open_read(here)
         except (FileNotFoundError, UnsafePath) as e:
-            if self._already_stored(key, c.sha256):
+            if self._already_stored(c):
                 return  # an earlier attempt uploaded it, its record did not commit
             raise CheckpointGone(
                 f"checkpoint {c.path!r}: its file is not on this host ({e}), so it was never stored"
@@ -174,19 +181,21 @@ class CheckpointUploads:
             # The open file itself (no second lookup of a path a trainer could swap).
             proc = Path(f"/proc/self/fd/{src.fileno()}")
             try:
-                self.storage.write_file(key, proc, sha256=c.sha256 or None)
+                self.storage.write_file(key, proc, sha256=c.sha256)
             except ChecksumMismatch as e:
                 raise CheckpointRefused(
                     f"checkpoint {c.path!r}: its file does not match the sha256 its event "
                     f"announced ({e})"
                 ) from None
 
-    def _already_stored(self, key: str, sha256: str | None) -> bool:
+    def _already_stored(self, c: CheckpointEvent) -> bool:
         try:
+            key = self.storage.checkpoint_key(self.job_id, c.path or "", c.sha256 or "")
             info = self.storage.stat(key)
-        except FileNotFoundError:
+        except (FileNotFoundError, UnsafePath):
             return False
-        return sha256 is not None and info.sha256 == sha256
+        # Only a checked upload writes a key that names its sha256.
+        return info.sha256 in (None, c.sha256)
 
     def pending(self) -> int:
         """Checkpoints not yet durable in the store (queued, going up, or waiting to be
@@ -201,18 +210,19 @@ class CheckpointUploads:
         for p in paths:
             self._uploads.pop(p, None)
 
-    def delete_pruned(self, paths: list[str]) -> None:
-        """keep_last pruned these and their rows say so: remove the stored objects (in the
-        upload thread, after any upload still queued; a failure only leaves an orphan)."""
+    def delete_pruned(self, rows: list[tuple[str, str]]) -> None:
+        """keep_last pruned these (path, sha256) and their rows say so: remove the stored
+        objects (in the upload thread, after any upload still queued; a failure only leaves
+        an orphan)."""
 
         def drop() -> None:
-            for p in paths:
+            for p, sha in rows:
                 try:
-                    self.storage.delete(job_key(self.job_id, p))
+                    self.storage.delete(self.storage.checkpoint_key(self.job_id, p, sha))
                 except (OSError, UnsafePath) as e:
                     log.warning("job %s: could not delete pruned %s (%s)", self.job_id, p, e)
 
-        if paths:
+        if rows:
             self._submit(drop)
 
     def close(self) -> None:

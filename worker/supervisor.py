@@ -375,9 +375,10 @@ class Supervision:
         checked before the trainer loads it."""
         if rel is None:
             return None
-        sha = self._tx(lambda s: recorded_sha256(s, self.c.job_id, rel))
+        sha = self._tx(lambda s: recorded_sha256(s, self.c.job_id, rel)) or ""
         try:
-            return self.storage.local_copy(job_key(self.c.job_id, rel), sha256=sha)
+            key = self.storage.checkpoint_key(self.c.job_id, rel, sha)
+            return self.storage.local_copy(key, sha256=sha or None)
         except ChecksumMismatch as e:
             raise StorageNotShared(
                 f"rank {self.c.rank} on worker {self.ctx.worker_id}: the checkpoint {rel} "

@@ -112,18 +112,19 @@ def download_checkpoint(
     storage = storage_for(settings)
     name = f"{job_id}-{PurePosixPath(row.path).name}"
     etag = f'"{row.sha256}"'
-    if settings.download_redirect and (url := storage.presign(checkpoint_key(row), PRESIGN_S)):
-        # Straight from the object store: the client keeps Range, and checks the sha256.
-        return RedirectResponse(url, status_code=307, headers={"ETag": etag})
     try:
+        key = checkpoint_key(storage, row)
+        if settings.download_redirect and (url := storage.presign(key, PRESIGN_S, filename=name)):
+            # Straight from the object store: the client keeps Range, and checks the sha256.
+            return RedirectResponse(url, status_code=307, headers={"ETag": etag})
         if checkpoint_file(storage, row) is not None:
             # A local file: opened once, no link followed; FileResponse serves that
             # descriptor (its own Range), never the path again.
-            opened = storage.open_read(checkpoint_key(row))
+            opened = storage.open_read(key)
             return file_response(opened, etag=etag, filename=name, if_none_match=if_none_match)
         return stored_response(
             storage,
-            checkpoint_key(row),
+            key,
             etag=etag,
             filename=name,
             if_none_match=if_none_match,

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from liveserver import live_server
@@ -23,13 +24,21 @@ from torchyard_testdb import Factory
 import torchyard.api.routers.checkpoints as route
 from torchyard.api import files
 from torchyard.settings import Settings
-from torchyard.storage import Storage, job_key, storage_for
+from torchyard.storage import Storage, storage_for
 from torchyard.storage.memory import MemoryStorage
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.db import session_scope
 
 PAYLOAD = bytes(range(256)) * 40  # 10240 bytes
 REL = "checkpoints/step-00000001.pt"
+
+
+SHA = hashlib.sha256(PAYLOAD).hexdigest()
+
+
+def _key(storage: Storage, job: str) -> str:
+    """Where the worker's upload (or the trainer, on a local storage) put the file."""
+    return storage.checkpoint_key(job, REL, SHA)
 
 
 _BUCKETS: dict[int, str] = {}  # the session server's bucket for this module
@@ -66,7 +75,7 @@ def storage(
 @pytest.fixture
 def ckpt(storage: Storage, factory: Factory, db_url: str) -> tuple[str, int]:
     job = factory.job("alice", state="running")
-    storage.write_bytes(job_key(job, REL), PAYLOAD)
+    storage.write_bytes(_key(storage, job), PAYLOAD)
     with session_scope(db_url) as s:
         row = record_checkpoint(
             s, job, attempt=1, step=1, epoch=0.1, path=REL, bytes=len(PAYLOAD),
@@ -149,7 +158,7 @@ def test_a_file_gone_is_404_file_gone(
     client: TestClient, alice: dict[str, str], ckpt: tuple[str, int], storage: Storage
 ) -> None:
     job, cid = ckpt
-    storage.delete(job_key(job, REL))
+    storage.delete(_key(storage, job))
     r = client.get(_url(job, cid), headers=alice)
     assert r.status_code == 404 and r.json()["error"]["code"] == "file_gone"
     listed = client.get(f"/v1/jobs/{job}/checkpoints", headers=alice).json()["items"]
@@ -178,7 +187,7 @@ def test_a_redirect_goes_to_the_store_and_the_sdk_resumes_through_it(
     from torchyard.client.sdk import Client
 
     job = factory.job("alice", state="running")
-    redirecting.write_bytes(job_key(job, REL), PAYLOAD)
+    redirecting.write_bytes(_key(redirecting, job), PAYLOAD)
     sha = hashlib.sha256(PAYLOAD).hexdigest()
     with session_scope(db_url) as s:
         cid = record_checkpoint(s, job, attempt=1, step=1, epoch=0.1, path=REL,
@@ -186,7 +195,10 @@ def test_a_redirect_goes_to_the_store_and_the_sdk_resumes_through_it(
     r = client.get(_url(job, cid), headers=alice, follow_redirects=False)
     assert r.status_code == 307 and r.headers["etag"] == f'"{sha}"'
     location = r.headers["location"]
-    assert location.startswith(redirecting.presign(job_key(job, REL), 60)[:40])  # type: ignore[index]
+    assert location.startswith(redirecting.presign(_key(redirecting, job), 60)[:40])  # type: ignore[index]
+    # The stored name carries the sha256; the file is saved under its own name.
+    saved = httpx.get(location, headers={"Range": "bytes=0-0"}).headers["content-disposition"]
+    assert saved == f'attachment; filename="{job}-step-00000001.pt"'
     # Someone else's checkpoint: no redirect, no URL.
     other = factory.job("bob", state="running")
     assert client.get(_url(other, cid), headers=alice, follow_redirects=False).status_code == 404

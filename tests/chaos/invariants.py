@@ -20,11 +20,9 @@ from sqlalchemy import create_engine, select
 from torch import Tensor, equal
 
 from torchyard.contracts.eventmodel import SYS_PREFIX
-from torchyard.storage import Storage, job_key
+from torchyard.storage import Storage
 from torchyard.store.models import Checkpoint, Metric
 from torchyard.store.paths import EVENTS_FILE, job_dir
-
-WEIGHTS_FILE = "model.safetensors"
 
 
 def events_of(caches: Sequence[Path], job_id: str) -> list[dict[str, Any]]:
@@ -73,8 +71,8 @@ class CheckpointRow:
 def object_problem(store: Storage, job_id: str, row: CheckpointRow) -> str | None:
     """Why the row's object is not durable as recorded (missing, another size or sha256,
     by its metadata or its bytes), or None."""
-    key = job_key(job_id, row.path)
     try:
+        key = store.checkpoint_key(job_id, row.path, row.sha256)
         info = store.stat(key)
         h, n = hashlib.sha256(), 0
         with store.open_read(key) as f:
@@ -111,8 +109,8 @@ def weights_problem(store: Storage, job_id: str, rows: Iterable[CheckpointRow]) 
 
 
 def stored_weights(store: Storage, job_id: str, rows: Iterable[CheckpointRow]) -> dict[str, Tensor]:
-    path = next((r.path for r in rows if r.kind == "weights" and not r.deleted), WEIGHTS_FILE)
-    with store.open_read(job_key(job_id, path)) as f:
+    row = next(r for r in rows if r.kind == "weights" and not r.deleted)  # weights_problem: there
+    with store.open_read(store.checkpoint_key(job_id, row.path, row.sha256)) as f:
         return load(f.read())
 
 

@@ -76,10 +76,11 @@ def test_init_weights_are_fetched_and_checked(mem: MemoryStorage, plain_settings
     row = Checkpoint(job_id=JOB, path="model.safetensors", sha256=hashlib.sha256(data).hexdigest())
     with pytest.raises(inputs.InputError, match="is gone"):
         inputs.init_file(plain_settings, row)
-    mem.write_bytes(job_key(JOB, "model.safetensors"), data)
+    key = mem.checkpoint_key(JOB, row.path, row.sha256)  # what the worker uploaded to
+    mem.write_bytes(key, data)
     path = inputs.init_file(plain_settings, row)
     assert path.read_bytes() == data and path.is_relative_to(mem.scratch)
-    mem.write_bytes(job_key(JOB, "model.safetensors"), b"changed")
+    mem.write_bytes(key, b"changed")
     with pytest.raises(inputs.InputError, match="does not match"):
         inputs.init_file(plain_settings, row)
     hostile = Checkpoint(job_id=JOB, path="../" + "b" * 32 + "/x", sha256="0" * 64)
@@ -104,7 +105,8 @@ def test_the_resume_pick_is_the_newest_checkpoint_still_stored(
     for step in (10, 20, 30):
         _record(db_url, job, f"checkpoints/step-{step:08d}.pt", step)
     for step in (10, 20):
-        storage.write_bytes(job_key(job, f"checkpoints/step-{step:08d}.pt"), b"x")
+        rel = f"checkpoints/step-{step:08d}.pt"
+        storage.write_bytes(storage.checkpoint_key(job, rel, "0" * 64), b"x")
     with session_scope(db_url) as s:  # step 30 is recorded but not in storage (yet)
         assert resume_pick(s, job, storage) == "checkpoints/step-00000020.pt"
         mark_deleted(s, job, ["checkpoints/step-00000020.pt"])

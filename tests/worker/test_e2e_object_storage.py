@@ -97,9 +97,9 @@ def _log(c: Cluster, job_id: str) -> str:
 
 
 def _weights(h: Hosts, job_id: str) -> dict[str, torch.Tensor]:
-    from torchyard.storage import job_key
-
-    with h.store.open_read(job_key(job_id, "model.safetensors")) as f:
+    listed = h.c.get(f"/v1/jobs/{job_id}/checkpoints")["items"]
+    row = next(ck for ck in listed if ck["kind"] == "weights")
+    with h.store.open_read(h.store.checkpoint_key(job_id, row["path"], row["sha256"])) as f:
         return load(f.read())
 
 
@@ -117,7 +117,6 @@ def test_a_job_runs_logs_and_downloads_through_the_object_store(
     hosts: Hosts, reference: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     from torchyard.client.sdk import Client
-    from torchyard.storage import job_key
 
     c = hosts.c
     job = c.submit(LONG)
@@ -133,11 +132,12 @@ def test_a_job_runs_logs_and_downloads_through_the_object_store(
     # Every checkpoint on record is an object with its recorded sha256; pruned ones are gone.
     listed = c.get(f"/v1/jobs/{jid}/checkpoints")["items"]
     assert len([ck for ck in listed if ck["kind"] == "resume"]) == 2  # keep_last
+    keys = {ck["path"]: hosts.store.checkpoint_key(jid, ck["path"], ck["sha256"]) for ck in listed}
     for ck in listed:
-        info = hosts.store.stat(job_key(jid, ck["path"]))
+        info = hosts.store.stat(keys[ck["path"]])
         assert info.size == ck["bytes"] and info.sha256 == ck["sha256"]
     stored = {o.key for o in hosts.store.list(f"jobs/{jid}/checkpoints")}
-    assert stored == {job_key(jid, ck["path"]) for ck in listed if ck["kind"] == "resume"}
+    assert stored == {keys[ck["path"]] for ck in listed if ck["kind"] == "resume"}
     # The weights download through the API (streamed from the store) and match.
     client = Client(c.url, token=c.token)
     got = client.download(jid, "latest", tmp_path / "w.safetensors")

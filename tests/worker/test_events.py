@@ -266,7 +266,6 @@ def test_checkpoints_pruned_before_they_went_up_are_never_stored_and_unlist_what
     import hashlib
     import time
 
-    from torchyard.storage import job_key
     from torchyard.storage.memory import MemoryStorage
     from torchyard.worker.publish import CheckpointUploads, UploadPending
 
@@ -312,5 +311,12 @@ def test_checkpoints_pruned_before_they_went_up_are_never_stored_and_unlist_what
     ).all()
     assert sorted(listed) == [40, 50]
     stored = {o.key for o in store.list(f"jobs/{job.id}/checkpoints")}
-    assert stored == {job_key(job.id, f"checkpoints/step-{n}.pt") for n in (40, 50)}
+    assert stored == {
+        store.checkpoint_key(
+            job.id,
+            f"checkpoints/step-{n}.pt",
+            hashlib.sha256(f"weights at {n}".encode()).hexdigest(),
+        )
+        for n in (40, 50)
+    }
     assert rec.set_aside.count == 0

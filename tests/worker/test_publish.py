@@ -16,6 +16,7 @@ import pytest
 from torchyard.contracts.eventmodel import CheckpointEvent
 from torchyard.storage import job_key
 from torchyard.storage.base import ObjectInfo, StorageUnavailable
+from torchyard.storage.keys import stored_file_key
 from torchyard.storage.memory import MemoryStorage
 from torchyard.worker import publish
 from torchyard.worker.logpump import LogPump
@@ -71,6 +72,11 @@ def _ckpt(cache: Path, rel: str, data: bytes, sha: str | None = None) -> Checkpo
                            bytes=len(data), sha256=digest, kind="resume")  # fmt: skip
 
 
+def _key(c: CheckpointEvent) -> str:
+    """Where an object store keeps `c`'s file: its path and its sha256."""
+    return stored_file_key(JOB, c.path or "", c.sha256 or "")
+
+
 def _until_ready(up: CheckpointUploads, c: CheckpointEvent, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not up.ready(c):
@@ -84,8 +90,9 @@ def test_a_checkpoint_is_ready_only_once_stored_with_its_sha256(store: Flaky, ca
     c = _ckpt(cache, "checkpoints/step-00000010.pt", data)
     assert up.ready(c) is False  # started, not done: the batch waits
     _until_ready(up, c)
-    info = store.stat(job_key(JOB, c.path or ""))
+    info = store.stat(_key(c))
     assert info.size == len(data) and info.sha256 == c.sha256
+    assert not store.exists(job_key(JOB, c.path or ""))  # only under the name of its bytes
     up.close()
 
 
@@ -94,7 +101,7 @@ def test_a_file_that_is_not_what_its_event_announced_is_refused(store: Flaky, ca
     c = _ckpt(cache, "checkpoints/step-00000010.pt", b"torn", sha="0" * 64)
     with pytest.raises(CheckpointRefused, match="does not match the sha256"):
         _until_ready(up, c)
-    assert not store.exists(job_key(JOB, c.path or ""))
+    assert not store.exists(_key(c))
     up.close()
 
 
@@ -107,7 +114,7 @@ def test_a_pruned_file_is_refused_unless_an_earlier_attempt_stored_it(
     with pytest.raises(CheckpointRefused, match="not on this host"):
         _until_ready(up, c)
     # Uploaded by an attempt whose record did not commit: the object is the proof.
-    store.write_bytes(job_key(JOB, c.path or ""), b"weights")
+    store.write_bytes(_key(c), b"weights")
     up2 = CheckpointUploads(store, cache, JOB)
     _until_ready(up2, c)
     up.close()
@@ -126,7 +133,7 @@ def test_a_planted_link_is_never_uploaded(store: Flaky, cache: Path, tmp_path: P
     up = CheckpointUploads(store, cache, JOB)
     with pytest.raises(CheckpointRefused):
         _until_ready(up, c)
-    assert not store.exists(job_key(JOB, c.path or ""))
+    assert not store.exists(_key(c))
     up.close()
 
 
@@ -138,7 +145,7 @@ def test_an_outage_delays_the_upload_then_it_goes_up(
     up = CheckpointUploads(store, cache, JOB)
     c = _ckpt(cache, "checkpoints/step-00000010.pt", b"x" * 1000)
     _until_ready(up, c)
-    assert store.down == 0 and store.exists(job_key(JOB, c.path or ""))
+    assert store.down == 0 and store.exists(_key(c))
     up.close()
 
 
@@ -146,9 +153,43 @@ def test_pruned_objects_are_deleted(store: Flaky, cache: Path) -> None:
     up = CheckpointUploads(store, cache, JOB)
     c = _ckpt(cache, "checkpoints/step-00000010.pt", b"old")
     _until_ready(up, c)
-    up.delete_pruned([c.path or ""])
+    up.delete_pruned([(c.path or "", c.sha256 or "")])
     up.close()
-    assert not store.exists(job_key(JOB, c.path or ""))
+    assert not store.exists(_key(c))
+
+
+def test_a_fenced_attempt_still_uploading_never_replaces_what_a_later_one_recorded(
+    store: Flaky, tmp_path: Path
+) -> None:
+    """The chaos suite's finding: attempt 1's worker, cut off from the database but not
+    from the store, finished uploading its step-40 after attempt 2 had recorded its own
+    (same path, other bytes: the files carry their attempt). The recorded row must still
+    name the bytes it recorded."""
+    rel = "checkpoints/step-00000040.pt"
+    old_host, new_host = tmp_path / "host-a", tmp_path / "host-b"
+    recorded = _ckpt(new_host, rel, b"attempt 2's step 40")
+    up_new = CheckpointUploads(store, new_host, JOB)
+    _until_ready(up_new, recorded)  # durable, then its row commits (sha256 of attempt 2)
+    zombie = _ckpt(old_host, rel, b"attempt 1's step 40")
+    up_old = CheckpointUploads(store, old_host, JOB)
+    _until_ready(up_old, zombie)  # its record will be fenced; its bytes still went up
+    key = store.checkpoint_key(JOB, rel, recorded.sha256 or "")
+    with store.open_read(key) as f:
+        assert f.read() == b"attempt 2's step 40"
+    assert store.stat(key).sha256 == recorded.sha256
+    up_new.close()
+    up_old.close()
+
+
+def test_an_event_without_its_sha256_is_refused_by_an_object_store(
+    store: Flaky, cache: Path
+) -> None:
+    c = _ckpt(cache, "checkpoints/step-00000010.pt", b"state")
+    bare = c.model_copy(update={"sha256": None})
+    up = CheckpointUploads(store, cache, JOB)
+    with pytest.raises(CheckpointRefused, match="without its sha256"):
+        _until_ready(up, bare)
+    up.close()
 
 
 def test_the_log_ships_whole_and_in_order_across_an_outage(
