@@ -124,6 +124,8 @@ STOP_GRACE_MIN_S = 30.0  # a stopping worker gives its trainer this long to chec
 # A stopping worker gives up on the store this long after it saw its SIGTERM (the attempt
 # is then the reaper's): within `torchyard up`'s 45 s, however ingest or the store fails.
 STOP_DEADLINE_S = 40.0
+# How long a launch waits for the checkpoints an earlier attempt left on this host to go up.
+BACKLOG_UPLOAD_WAIT_S = 300.0
 PEER_DECIDES_S = 5.0  # a failed non-zero rank lets rank 0 (which has the events) decide first
 RETRY_FIRST_WAIT_S, RETRY_MAX_WAIT_S = 0.2, 5.0
 # What a store outage raises. Anything else is a bug: it propagates (the worker releases
@@ -325,7 +327,7 @@ class Supervision:
         try:
             while True:  # in bounded batches, each committed with its offset
                 n += backlog.add_all(tail, final=True, limit=TAIL_BATCH)
-                backlog.commit(self._tx)
+                self._commit_backlog(backlog)
                 self._log_set_aside()
                 if tail.drained:
                     break
@@ -334,6 +336,30 @@ class Supervision:
         if n:
             log.info("job %s: ingested %d events left by earlier attempts", self.c.job_id, n)
         return tail.offset
+
+    def _commit_backlog(self, backlog: EventRecorder) -> None:
+        """Commit a backlog batch once its checkpoints are durable in the object store (the
+        resume pick must see them): their uploads go on in their thread while this waits,
+        through a store outage too. A launch that gave up at once here failed its attempts
+        as fast as the scheduler placed them (a chaos run burnt 100 restarts in seconds).
+        Gives up (UploadPending: a counted launch failure) after BACKLOG_UPLOAD_WAIT_S or
+        when the worker stops; Fenced when the attempt ended meanwhile (a cancel)."""
+        deadline = time.monotonic() + BACKLOG_UPLOAD_WAIT_S
+        looked = time.monotonic()
+        while True:
+            try:
+                backlog.commit(self._tx)
+                return
+            except UploadPending:
+                now = time.monotonic()
+                if now >= deadline or self.ctx.stopping.is_set():
+                    raise
+            if now - looked >= STATE_POLL_S:
+                looked = now
+                st = self._tx(lambda s: attempt_status(s, self.c.attempt_id))
+                if st.attempt not in ATTEMPT_ACTIVE:
+                    raise Fenced(self.c.attempt_id, st.attempt)
+            time.sleep(POLL_S)
 
     def _rendezvous(self, resumed_from: str | None) -> Rendezvous | None:
         """Rank 0 publishes host:port with the checkpoint it resumes from (`resumed_from`);

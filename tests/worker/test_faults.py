@@ -23,7 +23,9 @@ from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.settings import Settings
-from torchyard.store.attempts import set_endpoint
+from torchyard.storage.base import ObjectInfo
+from torchyard.storage.memory import MemoryStorage
+from torchyard.store.attempts import resume_pick, set_endpoint
 from torchyard.store.db import session_scope
 from torchyard.store.lifecycle import Fenced, finish_attempt
 from torchyard.store.models import Attempt, Checkpoint, Job, Metric, Worker, utcnow
@@ -35,6 +37,7 @@ from torchyard.worker.events import EventRecorder
 from torchyard.worker.identity import Device
 from torchyard.worker.launch_local import LocalTrainer
 from torchyard.worker.outcome import STOP_STORE_LOST, STOP_WORKER, Ending, decide
+from torchyard.worker.publish import MARKER, CheckpointUploads
 from torchyard.worker.supervisor import (
     Claimed,
     Prepared,
@@ -381,3 +384,53 @@ def test_a_full_disk_at_launch_hands_the_job_back_uncounted(
         assert att.reason is not None and att.reason.startswith("storage full")
         job = s.get(Job, job_id)
         assert job is not None and (job.state, job.attempt) == ("queued", 2)
+
+
+class _SlowStore(MemoryStorage):
+    """An object store whose uploads take a second each."""
+
+    def write_file(
+        self, key: str, path: Path, *, move: bool = False, sha256: str | None = None
+    ) -> ObjectInfo:
+        time.sleep(1.0)
+        return super().write_file(key, path, move=move, sha256=sha256)
+
+
+def test_a_launch_waits_for_the_checkpoints_an_earlier_attempt_left_to_go_up(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A chaos run found it: on an object store, attempt 2's launch, on the host where
+    attempt 1 left a checkpoint it had not recorded, gave up at once while that checkpoint
+    was going up ("1 checkpoint(s) still going up"), so the job was placed again and again
+    and burnt its 100 restarts in seconds. The launch now waits for the upload, records the
+    checkpoint and resumes from it."""
+    settings = _settings(db_url, tmp_path)
+    job_id, a1, _ = _started(db_url)
+    run_dir = job_dir(settings.storage, job_id)
+    (run_dir / "checkpoints").mkdir(parents=True)
+    data = b"attempt 1's step 3"
+    sha = hashlib.sha256(data).hexdigest()
+    (run_dir / "checkpoints" / "s3.pt").write_bytes(data)
+    ev = {"type": "checkpoint", "attempt": 1, "step": 3, "path": "checkpoints/s3.pt"}
+    (run_dir / EVENTS_FILE).write_text(_line(**ev, bytes=len(data), sha256=sha))
+    (run_dir / MARKER).write_text(json.dumps({"attempt": 1}))  # attempt 1 ran here
+    with session_scope(db_url) as s:
+        assert finish_attempt(s, a1, A_LOST, reason="worker lost") == "queued"
+        make_worker(s, "w2")
+        (d,) = schedule(s, heartbeat_timeout_s=10)
+        a2 = s.scalars(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == 2)).one()
+        claimed = Claimed(d.assignment_id, a2.id, 2, job_id, 0, 1, {}, False)
+    sup = Supervision(
+        WorkerContext(settings, "w2", Device("cpu", None, "cpu", None), "127.0.0.1"), claimed
+    )
+    store = _SlowStore(tmp_path / "scratch")
+    sup.remote, sup.storage = True, store
+    sup.uploads = sup.recorder.uploads = CheckpointUploads(store, settings.storage, job_id)
+    began = time.monotonic()
+    sup._ingest_backlog()  # no UploadPending: it waited
+    assert time.monotonic() - began >= 1.0
+    sup.uploads.close()
+    with session_scope(db_url) as s:
+        ck = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).one()
+        assert (ck.path, ck.sha256) == ("checkpoints/s3.pt", sha)
+        assert resume_pick(s, job_id, store) == "checkpoints/s3.pt"
