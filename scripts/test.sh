@@ -22,6 +22,9 @@ command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 # policy-rc.d answering 101 keeps every service of this install stopped, as in Docker
 # images, and goes again after it (one already there is left as it is).
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# The Slurm test (tests/deploy/test_slurm.py) starts its own munged, slurmctld and slurmd;
+# the same policy-rc.d keeps the packages' own services stopped.
+command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm munge)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "==> installing ${need[*]}"
@@ -36,6 +39,10 @@ if [ ${#need[@]} -gt 0 ]; then
     if [[ " ${need[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null 2>&1; then
       # Only promtool is wanted: no server at the next boot either.
       systemctl disable prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+    fi
+    if [[ " ${need[*]} " == *" slurm-wlm "* ]] && command -v systemctl >/dev/null 2>&1; then
+      # The test starts private daemons; none of the machine's own at the next boot.
+      systemctl disable slurmctld slurmd munge >/dev/null 2>&1 || true
     fi
   else
     echo "note: ${need[*]} missing: the tests that need them will not run" >&2

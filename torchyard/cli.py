@@ -20,6 +20,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "worker_main",
         "run one worker pinned to a GPU (or --device cpu)",
     ),
+    "slurm": (
+        "torchyard.worker.slurm",
+        "slurm_main",
+        "submit workers as Slurm jobs (sbatch; one GPU each, or --device cpu)",
+    ),
     "db": ("torchyard.store.cli", "db_main", "database administration: `db upgrade`"),
     "data": (
         "torchyard.store.dataimport",

@@ -80,6 +80,7 @@ def spawn(
     stdin: int = subprocess.DEVNULL,
     pass_fds: tuple[int, ...] = (),
     cgroup: TrainerCgroup | None = None,
+    ignore_sigterm: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the trainer in its own session (so a signal reaches it and its children), its
     stdout and stderr to `log_fd` (the write end of its log pump's pipe). A fresh interpreter (fork+exec, nothing of the threaded worker carried over). Call from
@@ -91,6 +92,8 @@ def spawn(
         if enter is not None:
             enter()  # OSError: the Popen fails, never a trainer outside its cgroup
         _die_with_parent(parent)
+        if ignore_sigterm:  # inherited across exec (see worker/launch_sandbox.py _spawn)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     return subprocess.Popen(
         argv,

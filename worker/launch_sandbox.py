@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 from torchyard.settings import Settings
@@ -106,11 +107,23 @@ class SandboxTrainer(LocalTrainer):
 
     def terminate(self) -> None:
         leader = self.leader()
-        if leader is None:  # not started inside yet: ending bwrap ends the sandbox
-            super().terminate()
+        if leader is None:  # not started inside yet: ending bwrap (SIGTERM-proof) ends it
+            self.kill()
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(leader, signal.SIGTERM)
+
+
+@cache
+def _default_sigterm() -> tuple[str, ...]:
+    """The prefix that gives the sandboxed command SIGTERM's default disposition back
+    (coreutils' env, 8.31 and later); none where this host's env lacks the option."""
+    argv = [shutil.which("env") or "/usr/bin/env", "--default-signal=TERM", "true"]
+    try:
+        ok = subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return tuple(argv[:2]) if ok else ()
 
 
 def inner_rc(rc: int) -> int:
@@ -277,12 +290,17 @@ class SandboxLauncher:
 
     def _spawn(self, inner: list[str], mounts: Mounts, env: dict[str, str], out_fd: int,
                stdin: int = subprocess.DEVNULL) -> tuple[subprocess.Popen[bytes], int | None]:  # fmt: skip
+        """bwrap, ignoring SIGTERM: it passes no signal on and its death SIGKILLs the
+        sandbox, so a SIGTERM sent to every process (Slurm's scancel and time limit,
+        systemd's control-group stop) would kill the trainer before its checkpoint. The
+        trainer inside starts with SIGTERM's default again (`env --default-signal`) and
+        checkpoints on it; the worker ends a sandbox with SIGKILL (SandboxTrainer)."""
         r, w = os.pipe()
-        argv = sandbox_argv(inner, mounts, self.ident)
+        argv = sandbox_argv([*_default_sigterm(), *inner], mounts, self.ident)
         argv[1:1] = ["--info-fd", str(w)]
         try:
             proc = spawn(argv, env=env, cwd=self.staging, log_fd=out_fd, stdin=stdin,
-                         pass_fds=(w,), cgroup=self.cgroup)  # fmt: skip
+                         pass_fds=(w,), cgroup=self.cgroup, ignore_sigterm=True)  # fmt: skip
         finally:
             os.close(w)
         return proc, _read_info(r)

@@ -728,6 +728,10 @@ class Supervision:
             if mine is not None and mine.get("type") == "error":
                 error = mine
             stopped = stopped or (mine is not None and mine.get("type") == "stopped")
+        if stopped and self.stop_why is None and self.ctx.stopping.is_set():
+            # The stop signal reached the trainer too, maybe first (Slurm signals every
+            # process of a job): still this worker's hand-back, not the trainer's doing.
+            self.stop_why = STOP_WORKER
         ending = Ending(
             rc=rc,
             rank=self.c.rank,
