@@ -48,12 +48,16 @@ def _row(path: str, data: bytes, kind: str = "resume", *, deleted: bool = False)
 JOB = "0" * 32
 
 
+def _put(store: MemoryStorage, row: CheckpointRow, data: bytes) -> None:
+    """`data` where the row's object is: the key named by its path and recorded sha256."""
+    store.write_bytes(store.checkpoint_key(JOB, row.path, row.sha256), data)
+
+
 def test_a_listed_checkpoint_must_be_in_the_store_as_recorded(tmp_path: Path) -> None:
     store = _store(tmp_path)
     good, other = b"state at step 10", b"state at step 20"
-    store.write_bytes(f"jobs/{JOB}/checkpoints/step-10.pt", good)
-    store.write_bytes(f"jobs/{JOB}/checkpoints/step-20.pt", b"not the recorded bytes")
     rows = [_row("checkpoints/step-10.pt", good)]
+    _put(store, rows[0], good)
     assert checkpoint_problems(store, JOB, rows) == []
     # a pruned (deleted) row needs no object
     gone = _row("checkpoints/step-5.pt", b"pruned", deleted=True)
@@ -61,13 +65,20 @@ def test_a_listed_checkpoint_must_be_in_the_store_as_recorded(tmp_path: Path) ->
     # reported but never uploaded: missing
     missing = checkpoint_problems(store, JOB, [_row("checkpoints/step-30.pt", b"x")])
     assert len(missing) == 1 and "not in the object store" in missing[0]
+    # under the plain path only (as before content-named keys): still missing
+    plain = _row("checkpoints/step-40.pt", b"y")
+    store.write_bytes(f"jobs/{JOB}/checkpoints/step-40.pt", b"y")
+    assert "not in the object store" in checkpoint_problems(store, JOB, [plain])[0]
     # stored, but not the bytes recorded (same size, another sha256)
     forged = CheckpointRow("checkpoints/step-20.pt", len(b"not the recorded bytes"),
                            hashlib.sha256(other).hexdigest())  # fmt: skip
+    _put(store, forged, b"not the recorded bytes")
     (bad,) = checkpoint_problems(store, JOB, [forged])
     assert "sha256" in bad and bad.startswith(JOB)
     # another size
-    (short,) = checkpoint_problems(store, JOB, [_row("checkpoints/step-20.pt", other)])
+    short_row = _row("checkpoints/step-20.pt", other)
+    _put(store, short_row, b"not the recorded bytes")
+    (short,) = checkpoint_problems(store, JOB, [short_row])
     assert "bytes stored" in short
 
 
@@ -78,9 +89,9 @@ def test_a_succeeded_job_needs_its_weights_stored_as_recorded(tmp_path: Path) ->
     assert "no weights on record" in str(weights_problem(store, JOB, [resume]))
     row = _row("model.safetensors", weights, kind="weights")
     assert "not in the object store" in str(weights_problem(store, JOB, [resume, row]))
-    store.write_bytes(f"jobs/{JOB}/model.safetensors", b"safetensors BYTES")  # same size
+    _put(store, row, b"safetensors BYTES")  # same size
     assert "sha256" in str(weights_problem(store, JOB, [resume, row]))
-    store.write_bytes(f"jobs/{JOB}/model.safetensors", weights)
+    _put(store, row, weights)
     assert weights_problem(store, JOB, [resume, row]) is None
 
 
