@@ -1,21 +1,34 @@
 # One image for every torchyard process (api, scheduler, worker, db upgrade): the command
 # picks which. Installs from the repository's own files with the pinned constraints.
+# Both base images are build arguments (defaults: the official images), so a host without
+# an image registry can build from local ones (deploy/images/, scripts/deploy_test.sh):
+#   --build-arg PYTHON_IMAGE=localhost/torchyard-base:bookworm --build-arg NODE_IMAGE=<that base + nodejs>
+# A bare Debian base will do for PYTHON_IMAGE (python3 then comes from its packages);
+# deploy/images/node.Containerfile adds Debian's nodejs to one for NODE_IMAGE.
+ARG NODE_IMAGE=node:20-slim
+ARG PYTHON_IMAGE=python:3.11-slim
 
 # The dashboard's static files (web/ built by esbuild, its packages pinned by the lock file).
-FROM node:20-slim AS web
+FROM ${NODE_IMAGE} AS web
 WORKDIR /app/web
 COPY web/package.json web/package-lock.json ./
 RUN npm ci --no-audit --no-fund
 COPY web/ ./
 RUN node build.mjs
 
-FROM python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
-# bubblewrap: the sandbox every trainer runs in (worker/sandbox.py).
-RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
- && rm -rf /var/lib/apt/lists/*
+# bubblewrap: the sandbox every trainer runs in (worker/sandbox.py). A base without Python
+# (plain Debian) gets Debian's python3 (3.11 on bookworm). Either way torchyard lives in
+# its own venv, /opt/venv, first on PATH: `python` and `torchyard` are the venv's.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends bubblewrap \
+    $(command -v python3 >/dev/null || echo python3 python3-venv) \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1

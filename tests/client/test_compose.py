@@ -108,9 +108,30 @@ def test_object_storage_health_checks_and_ordering(services: dict, compose: dict
 
 def test_dockerfile_installs_from_the_repo_with_constraints() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    # The base images are build arguments whose defaults are the official images.
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
+    assert re.search(r"^ARG NODE_IMAGE=node:20-slim$", text, re.M)
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\}$", text, re.M)
+    assert re.search(r"^FROM \$\{NODE_IMAGE\} AS web$", text, re.M)
     assert "pip install -c constraints.txt ." in text
     assert re.search(r'^ENTRYPOINT \["torchyard"\]$', text, re.M)
     assert re.search(r"^USER (?!root)\w+", text, re.M)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", ".torchyard"} <= set(ignored)
+
+
+def test_every_image_name_can_be_overridden_with_the_official_one_as_default(
+    services: dict, compose: dict
+) -> None:
+    defaults = {
+        "postgres": ("TORCHYARD_POSTGRES_IMAGE", "postgres:16"),
+        "redis": ("TORCHYARD_REDIS_IMAGE", "redis:7"),
+        "objectstore": ("TORCHYARD_SEAWEEDFS_IMAGE", "chrislusf/seaweedfs:3.80"),
+    } | {name: ("TORCHYARD_IMAGE", "torchyard:latest") for name in TORCHYARD_SERVICES}
+    for name, (var, default) in defaults.items():
+        assert services[name]["image"] == f"${{{var}:-{default}}}", name
+    args = compose["x-torchyard"]["build"]["args"]
+    assert args == {
+        "PYTHON_IMAGE": "${TORCHYARD_PYTHON_IMAGE:-python:3.11-slim}",
+        "NODE_IMAGE": "${TORCHYARD_NODE_IMAGE:-node:20-slim}",
+    }
