@@ -108,21 +108,37 @@ def checkpoint_available(storage: Storage, row: Checkpoint) -> bool:
 
 def mark_deleted(session: Session, job_id: str, paths: list[str]) -> list[tuple[str, str]]:
     """Mark checkpoints whose files the trainer pruned (keep_last) as deleted; the (path,
-    sha256) of each row this marked (what names its stored object)."""
+    sha256) of each such row (what names its stored object)."""
     if not paths:
         return []
     rows = session.execute(
         update(Checkpoint)
-        .where(
-            Checkpoint.job_id == job_id,
-            Checkpoint.path.in_(paths),
-            Checkpoint.deleted.is_(False),
-        )
+        # Rows already marked are returned again: a batch retried after an ambiguous commit
+        # still deletes their objects (a second delete is harmless).
+        .where(Checkpoint.job_id == job_id, Checkpoint.path.in_(paths))
         .values(deleted=True)
         .returning(Checkpoint.path, Checkpoint.sha256)
         .execution_options(synchronize_session=False)
     ).all()
     return [(p, h) for p, h in rows]
+
+
+def unrecorded_files(
+    session: Session, job_id: str, files: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Of `files` (path, sha256), those no listed checkpoint row of the job names: objects
+    an upload left that nothing records (a checkpoint superseded while it went up)."""
+    if not files:
+        return []
+    named = session.execute(
+        select(Checkpoint.path, Checkpoint.sha256).where(
+            Checkpoint.job_id == job_id,
+            Checkpoint.path.in_([p for p, _ in files]),
+            Checkpoint.deleted.is_(False),
+        )
+    ).all()
+    listed = {(p, h) for p, h in named}
+    return [f for f in files if f not in listed]
 
 
 def init_checkpoint(session: Session, job_id: str, which: str | int) -> Checkpoint | None:

@@ -51,7 +51,7 @@ from torchyard.settings import Settings
 from torchyard.storage import Storage, Tail
 from torchyard.storage.local import FileTail
 from torchyard.store.attempts import fence_flush, note_attempt
-from torchyard.store.checkpoints import mark_deleted, record_checkpoint
+from torchyard.store.checkpoints import mark_deleted, record_checkpoint, unrecorded_files
 from torchyard.store.ingest import refused_by_store
 from torchyard.store.lifecycle import mark_started
 from torchyard.store.metrics import ingest_metrics
@@ -351,6 +351,9 @@ class EventRecorder:
     pruned_unrecorded: list[str] = field(default_factory=list)
     # (path, sha256) of the rows the last write marked deleted: their stored objects go.
     pruned_stored: list[tuple[str, str]] = field(default_factory=list)
+    # Checkpoints of the batch a later one pruned after their upload had begun: their
+    # objects go too, unless a row names them.
+    dropped_uploads: list[tuple[str, str]] = field(default_factory=list)
     _reported: int = 0  # set-aside count last written to the attempt's reason
     # This attempt's trainer waits at these rungs for the pruner (worker/supervisor.py).
     rungs: list[RungEvent] = field(default_factory=list)
@@ -488,6 +491,8 @@ class EventRecorder:
             self._write_checkpoint(session, c)
         if self.pruned_unrecorded:
             self.pruned_stored += mark_deleted(session, self.job_id, self.pruned_unrecorded)
+        if self.dropped_uploads:
+            self.pruned_stored += unrecorded_files(session, self.job_id, self.dropped_uploads)
         if report:
             note_attempt(session, self.attempt_id, self.set_aside.summary())
 
@@ -509,6 +514,7 @@ class EventRecorder:
                 self._drop(stage, e)
         if self.uploads is not None:
             self.uploads.forget([c.path or "" for c in self.checkpoints])
+            self.uploads.forget([p for p, _ in self.dropped_uploads])
             self.uploads.delete_pruned(self.pruned_stored)
         self.clear()
 
@@ -526,6 +532,8 @@ class EventRecorder:
         for c in self.checkpoints:
             try:
                 if c.path in superseded:
+                    if self.uploads.started(c.path) and c.sha256:  # it may have gone up
+                        self.dropped_uploads.append((c.path, c.sha256))
                     raise CheckpointGone(f"checkpoint {c.path!r}: pruned before it was stored")
                 pending += not self.uploads.ready(c)
             except CheckpointGone as e:
@@ -556,7 +564,7 @@ class EventRecorder:
     def clear(self) -> None:
         """After `write` committed: the buffer is in the store, the set-aside count too."""
         self.metrics, self.checkpoints, self.pruned_unrecorded = [], [], []
-        self.pruned_stored = []
+        self.pruned_stored, self.dropped_uploads = [], []
         self.progress, self.started_pending = None, False
         self._reported = self.set_aside.count
 

@@ -197,6 +197,10 @@ class CheckpointUploads:
         # Only a checked upload writes a key that names its sha256.
         return info.sha256 in (None, c.sha256)
 
+    def started(self, path: str) -> bool:
+        """Whether an upload of `path` was begun (its object may exist)."""
+        return path in self._uploads
+
     def pending(self) -> int:
         """Checkpoints not yet durable in the store (queued, going up, or waiting to be
         retried): the worker's metrics read it from another thread, hence the copy."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, text
@@ -304,12 +306,28 @@ def test_checkpoints_pruned_before_they_went_up_are_never_stored_and_unlist_what
     d = ckpt(40, [20])  # deletes 20's file before the worker read 20's event
     commit(b)  # 20: gone from this host, never stored: skipped, not set aside
     commit(c, d, ckpt(50, [30]))  # 30: pruned within the batch, never uploaded
+    # 60 went up while its batch waited (a trainer's last lines, read at its exit), then 70
+    # of the same batch pruned it: recorded never, its object removed all the same (CI
+    # found one left over before).
+    real_write, going_up = store.write_file, threading.Event()
+
+    def slow_write(*a: Any, **kw: Any) -> Any:
+        going_up.set()  # the file is open: what the trainer deletes now still goes up
+        time.sleep(0.3)
+        return real_write(*a, **kw)
+
+    store.write_file = slow_write  # type: ignore[method-assign]
+    rec.add(ckpt(60, [40]))
+    with pytest.raises(UploadPending):
+        rec.commit(lambda write: (write(s), s.commit()))
+    assert going_up.wait(5) and rec.uploads.started("checkpoints/step-60.pt")
+    commit(ckpt(70, [50, 60]))
     rec.uploads.close()
     s.expire_all()
     listed = s.scalars(
         select(Checkpoint.step).where(Checkpoint.job_id == job.id, Checkpoint.deleted.is_(False))
     ).all()
-    assert sorted(listed) == [40, 50]
+    assert sorted(listed) == [70]
     stored = {o.key for o in store.list(f"jobs/{job.id}/checkpoints")}
     assert stored == {
         store.checkpoint_key(
@@ -317,6 +335,6 @@ def test_checkpoints_pruned_before_they_went_up_are_never_stored_and_unlist_what
             f"checkpoints/step-{n}.pt",
             hashlib.sha256(f"weights at {n}".encode()).hexdigest(),
         )
-        for n in (40, 50)
+        for n in (70,)
     }
     assert rec.set_aside.count == 0
