@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 
 
 def main(argv: list[str]) -> int:
@@ -22,6 +23,11 @@ def main(argv: list[str]) -> int:
     private_umask()
     settings = get_settings()  # validated now, so a bad variable fails before binding
     if not check_storage(settings):
+        return 2
+    from torchyard.store.migrate import wait_for_schema
+
+    if (why := wait_for_schema(settings.db_url, settings.schema_wait_s)) is not None:
+        print(f"torchyard api: {why}", file=sys.stderr)
         return 2
     app = create_app(settings)
     freeze_startup_heap()

@@ -62,7 +62,7 @@ class _Follower:
         self.refreshed_at = -math.inf
 
     def run(self) -> int:
-        self.refresh()
+        self.first_read()
         events = self.client.stream_events(
             self.job_id, reconnect_for_s=RECONNECT_FOR_S, on_retry=self.lost
         )
@@ -80,9 +80,23 @@ class _Follower:
         self.status.message(summary_line(self.shown(), self.latest))
         return EXIT_OK if self.state == "succeeded" else EXIT_FAIL
 
+    def first_read(self) -> None:
+        """A wrong URL, token or id fails at once; an API that answers 503 (starting, or
+        its database away for a moment) is waited for as long as a broken stream would be."""
+        lost_since = time.monotonic()
+        while True:
+            try:
+                self.refresh()
+                return
+            except Unavailable as e:
+                if time.monotonic() - lost_since > RECONNECT_FOR_S:
+                    raise
+                self.lost(e)
+                delay = self.client.reconnect_delay_s
+                time.sleep(self.client._server_retry_s if delay is None else delay)
+
     def refresh(self, *, strict: bool = True) -> None:
-        """Read the job. Only the first read must succeed (a wrong URL or id fails at once);
-        later, an API that is away keeps the last copy while the stream reconnects."""
+        """Read the job. Only the first read must succeed (`first_read`); later, an API that is away keeps the last copy while the stream reconnects."""
         try:
             self.job = self.client.job(self.job_id)
         except (ConnectError, Unavailable):

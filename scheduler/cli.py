@@ -5,6 +5,7 @@ given (scheduler/metrics.py)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from torchyard.settings import load_settings, private_umask, setup_logging
 
@@ -54,6 +55,11 @@ def main(argv: list[str]) -> int:
     from torchyard.storage import check_storage
 
     if not check_storage(settings):
+        return 2
+    from torchyard.store.migrate import wait_for_schema
+
+    if (why := wait_for_schema(settings.db_url, settings.schema_wait_s)) is not None:
+        print(f"torchyard scheduler: {why}", file=sys.stderr)
         return 2
 
     # Only now: the process loads Celery and the store, which `--help` never needs.

@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     """TORCHYARD_CLAIM_TIMEOUT_S: an assignment no worker has claimed this long after it was
     sent is handed back (not counted as a failure) and given to another worker; the silent
     worker is marked lost until its consumer shows it is alive."""
+    schema_wait_s: float = Field(default=300.0, ge=0)
+    """TORCHYARD_SCHEMA_WAIT_S: how long the api, scheduler and worker wait at start for the
+    database to reach their schema (`torchyard db upgrade`, run by one process) before they
+    exit saying so; 0: do not wait. A database migrated by a newer release is refused at
+    once."""
     db_pool_timeout_s: float = Field(default=2.0, gt=0)
     """TORCHYARD_DB_POOL_TIMEOUT_S: how long a request waits for a database connection before
     the API answers 503 with Retry-After (never a hang)."""

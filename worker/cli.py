@@ -68,6 +68,11 @@ def worker_main(argv: list[str]) -> int:
 
     if not check_storage(settings):
         return 2
+    from torchyard.store.migrate import wait_for_schema
+
+    if (why := wait_for_schema(settings.db_url, settings.schema_wait_s)) is not None:
+        print(f"torchyard worker: {why}", file=sys.stderr)
+        return 2
 
     from torchyard.worker.identity import (
         SlotTaken,

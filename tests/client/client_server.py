@@ -92,7 +92,8 @@ class Store(Factory):
 
 class Recorder(httpx.BaseTransport):
     """The app's own transport, keeping every request; it can break the next download or
-    event stream part way (once), corrupt downloads, or refuse every connection."""
+    event stream part way (once), corrupt downloads, refuse every connection, or answer
+    a job's reads 503 for a while."""
 
     def __init__(self, inner: httpx.BaseTransport) -> None:
         self.inner = inner
@@ -101,13 +102,18 @@ class Recorder(httpx.BaseTransport):
         self.cut_events: int | None = None  # events into the next event stream
         self.corrupt = False
         self.down = False  # refuse every connection, as a stopped server does
+        self.unavailable = 0  # answer the next N reads of a job 503, as a starting API does
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         if self.down:
             raise httpx.ConnectError("[Errno 111] Connection refused")
-        resp = self.inner.handle_request(request)
         path = request.url.path
+        if self.unavailable and path.startswith("/v1/jobs/") and path.count("/") == 3:
+            self.unavailable -= 1
+            detail = {"detail": "the database is not reachable"}
+            return httpx.Response(503, headers={"Retry-After": "1"}, json=detail)
+        resp = self.inner.handle_request(request)
         if self.corrupt and path.endswith("/download"):
             resp.read()
             return httpx.Response(200, headers={"ETag": resp.headers["ETag"]}, content=b"evil")

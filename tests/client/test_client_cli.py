@@ -104,6 +104,25 @@ def test_follow_resumes_where_the_stream_broke(
     assert len(streams) == 2 and "Last-Event-ID" in streams[1].headers
 
 
+def test_follow_waits_out_an_api_that_answers_503_at_first(
+    http: TestClient, token: str, store: Store, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """An API that is up but not ready (its database away, or starting) answers 503: a
+    follower started then waits for it, as it does for a broken stream, instead of exiting."""
+    monkeypatch.setattr(Client, "reconnect_delay_s", 0.01)
+    recorder = Recorder(http._transport)
+    with httpx.Client(base_url="http://ty.test", transport=recorder) as h:
+        job_id = Client(token=token, http=h).submit(SPEC)["id"]
+        store.run(job_id)
+        recorder.unavailable = 3
+        rc = main(["status", job_id, "--follow", "--token", token], http=h)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert recorder.unavailable == 0 and "API unreachable, retrying" in err
+    assert f"job {job_id} succeeded" in err
+
+
 def test_follow_shows_each_new_pending_reason_of_a_queued_job(
     http: TestClient, token: str, store: Store, capsys: pytest.CaptureFixture[str]
 ) -> None:

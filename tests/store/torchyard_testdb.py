@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 from specs import synthetic_spec
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from torchyard.settings import Settings
@@ -187,3 +188,22 @@ class Factory:
 @pytest.fixture
 def factory(db_url: str) -> Factory:
     return Factory(db_url)
+
+
+@pytest.fixture(params=BACKENDS)
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database nobody has migrated yet (its own PostgreSQL database, dropped after)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    base: str = request.getfixturevalue("pg_url")
+    name = f"ty_mig_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield base.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
