@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import uvicorn
 
+from torchyard.store import migrate
+
 
 def test_the_server_freezes_its_startup_heap_before_serving(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -19,7 +21,9 @@ def test_the_server_freezes_its_startup_heap_before_serving(
     from torchyard.api import cli
 
     monkeypatch.setenv("TORCHYARD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("TORCHYARD_DATABASE_URL", f"sqlite:///{tmp_path / 'ty.db'}")
+    url = f"sqlite:///{tmp_path / 'ty.db'}"
+    monkeypatch.setenv("TORCHYARD_DATABASE_URL", url)
+    migrate.upgrade(url)  # the server waits for its schema (store/migrate.py)
     seen: dict[str, Any] = {}
 
     def fake_run(app: Any, **kwargs: Any) -> None:

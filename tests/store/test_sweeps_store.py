@@ -11,7 +11,6 @@ from typing import Any
 
 import optuna
 import pytest
-import test_store_migrations
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text, update
 from torchyard_testdb import SPEC, Factory
@@ -36,8 +35,6 @@ from torchyard.store.sweeps import (
     optuna_url,
     sweep_view,
 )
-
-empty_url = test_store_migrations.empty_url  # the fixture: an empty database of its own
 
 LR_GRID: dict[str, Any] = {"optimizer.lr": {"type": "categorical", "choices": [0.1, 0.01, 0.001]}}
 
