@@ -34,11 +34,18 @@ import httpx
 from torchyard.settings import IPNetwork, Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import utcnow
-from torchyard.store.webhooks import Due, Outcome, claim_due, record_attempt
+from torchyard.store.webhooks import (
+    Due,
+    Outcome,
+    claim_due,
+    record_attempt,
+    remove_ended_deliveries,
+)
 
 log = logging.getLogger(__name__)
 
 BATCH = 16  # deliveries claimed (and sent at once) per pass
+CLEAN_EVERY_S = 3600.0  # ended deliveries past TORCHYARD_WEBHOOK_RETENTION_S removed hourly
 USER_AGENT = "torchyard-webhooks/1"
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # (host, port) -> addresses; the seam tests replace to make a name resolve where they like.
@@ -131,12 +138,14 @@ class Notifier:
             headers={"User-Agent": USER_AGENT},
         )
         self._pool = ThreadPoolExecutor(BATCH, thread_name_prefix="webhook-send")
+        self._cleaned_at: float | None = None
 
     def wake(self) -> None:
         self._wake.set()
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
+            self.clean_due()
             try:
                 busy = self.pass_once() == BATCH
             except Exception as e:  # the store is away: try again next poll
@@ -146,6 +155,34 @@ class Notifier:
                 self._wake.wait(self.settings.webhook_poll_s)
                 self._wake.clear()
         self.close()
+
+    def clean_due(self) -> int:
+        """`clean` once every CLEAN_EVERY_S (the first time at the first pass)."""
+        now = time.monotonic()
+        if self._cleaned_at is not None and now - self._cleaned_at < CLEAN_EVERY_S:
+            return 0
+        self._cleaned_at = now
+        return self.clean()
+
+    def clean(self) -> int:
+        """Remove the deliveries that ended past the retention (never raises: the next
+        hour tries again). Returns how many were removed."""
+        keep_s = self.settings.webhook_retention_s
+        if keep_s <= 0:
+            return 0
+        removed = 0
+        try:
+            while True:  # in bounded transactions, until none is left
+                with session_scope(self.settings.db_url) as s:
+                    n = remove_ended_deliveries(s, keep_s)
+                removed += n
+                if n == 0:
+                    break
+        except Exception as e:
+            log.warning("removing old webhook deliveries failed: %s", e)
+        if removed:
+            log.info("removed %d webhook deliveries older than %gs", removed, keep_s)
+        return removed
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -405,3 +405,27 @@ def pending_count(session: Session) -> int:
         )
         or 0
     )
+
+
+def remove_ended_deliveries(session: Session, older_than_s: float, limit: int = 10_000) -> int:
+    """Deliveries sent or given up whose event is more than `older_than_s` old (on the
+    database's clock), with their tries; at most `limit` a call, oldest first, so one
+    transaction stays short however far behind it is. Pending ones always stay (they
+    are the outbox). Returns how many were removed."""
+    cutoff = db_now(session) - timedelta(seconds=older_than_s)
+    ids = (
+        select(WebhookDelivery.id)
+        .where(WebhookDelivery.state != PENDING, WebhookDelivery.created_at < cutoff)
+        .order_by(WebhookDelivery.seq)
+        .limit(limit)
+    )
+    chosen = list(session.scalars(ids))
+    if not chosen:
+        return 0
+    # Explicitly, not by the foreign key's cascade: SQLite connections made without the
+    # foreign_keys pragma (a tool's, a restore's) would leave the tries behind.
+    session.execute(
+        delete(WebhookAttempt).where(in_list(session, WebhookAttempt.delivery_id, chosen))
+    )
+    session.execute(delete(WebhookDelivery).where(in_list(session, WebhookDelivery.id, chosen)))
+    return len(chosen)

@@ -217,6 +217,10 @@ class Settings(BaseSettings):
     """TORCHYARD_WEBHOOK_RETRY_BASE_S: the first retry's delay; later ones grow (3, 6, 12,
     30 … up to 360 times it, at most one hour), with ±20% jitter, for a day, then the
     delivery is marked failed."""
+    webhook_retention_s: float = Field(default=30 * 86_400.0, ge=0)
+    """TORCHYARD_WEBHOOK_RETENTION_S: a delivery sent (or given up) this long after its event
+    is removed with its tries by the scheduler, hourly (default 30 days; 0: kept forever).
+    Pending deliveries are never removed."""
     oidc_issuer: str | None = None
     """TORCHYARD_OIDC_ISSUER: single sign-on with this OpenID Connect provider (its issuer
     URL, https but for a loopback address; found by discovery,

@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -177,6 +178,31 @@ def test_loopback_denied_by_the_setting_and_redirects_not_followed(
     errors = sorted(a.error or "" for a in _attempts(db_url))
     assert any("refused" in e and "127.0.0.1" in e for e in errors)
     assert "HTTP 302" in errors
+
+
+def test_the_sender_removes_old_ended_deliveries_hourly(db_url: str, tmp_path: Path) -> None:
+    """At its first pass, then once an hour: deliveries sent past the retention go; a
+    retention of 0 keeps them all."""
+    with receiver() as rx:
+        _hook(db_url, f"{rx.url}/ok", ["job.succeeded"])
+        for i in range(3):
+            _end_job(db_url, "succeeded", name=f"j{i}")
+        sender = Notifier(_settings(db_url, tmp_path, webhook_retention_s=86_400.0))
+        try:
+            assert sender.clean_due() == 0  # nothing old yet; the hour starts now
+            assert sender.pass_once() == 3 and _all_delivered(db_url)
+            with session_scope(db_url) as s:
+                for d in s.scalars(select(WebhookDelivery)):
+                    d.created_at = utcnow() - timedelta(days=2)
+            assert sender.clean_due() == 0  # within the hour
+            keeper = Notifier(_settings(db_url, tmp_path, webhook_retention_s=0))
+            assert keeper.clean_due() == 0  # 0: kept forever
+            keeper.close()
+            sender._cleaned_at = time.monotonic() - 3601
+            assert sender.clean_due() == 3
+        finally:
+            sender.close()
+    assert _attempts(db_url) == []
 
 
 # --- end to end: the scheduler process ----------------------------------------------------

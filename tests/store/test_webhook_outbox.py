@@ -32,6 +32,7 @@ from torchyard.store.webhooks import (
     claim_due,
     create_webhook,
     record_attempt,
+    remove_ended_deliveries,
     retry_delay,
 )
 
@@ -213,6 +214,40 @@ def test_failures_back_off_then_give_up_after_a_day(factory: Factory, db_url: st
         (None, "refused"),
         (None, "timed out"),
     ]
+
+
+def test_ended_deliveries_past_the_retention_go_with_their_tries(
+    factory: Factory, db_url: str
+) -> None:
+    """Sent and given-up deliveries older than the retention are removed (tries too), in
+    bounded batches; pending ones, however old, and recent ones stay."""
+    alice = factory.user_id("alice")
+    _hook(db_url, alice, ["job.failed", "job.succeeded"])
+    jobs = [factory.job("alice", FAILED) for _ in range(4)] + [factory.job("alice", SUCCEEDED)]
+    with session_scope(db_url) as s:
+        for due in claim_due(s, "me", lease_s=60, limit=10):
+            record_attempt(s, due, "me", _outcome(204), base_s=10)
+    by_job = {d.subject: d.id for d in _deliveries(db_url)}
+    old, recent_sent, old_pending = jobs[:3], jobs[3], jobs[4]
+    with session_scope(db_url) as s:
+        long_ago = utcnow() - timedelta(days=40)
+        s.execute(update(WebhookDelivery).where(WebhookDelivery.subject.in_(old))
+                  .values(created_at=long_ago))  # fmt: skip
+        s.execute(update(WebhookDelivery).where(WebhookDelivery.subject == old[2])
+                  .values(state="failed"))  # fmt: skip
+        s.execute(update(WebhookDelivery).where(WebhookDelivery.subject == old_pending)
+                  .values(created_at=long_ago, state="pending"))  # fmt: skip
+    keep_s = 30 * 86_400.0
+    with session_scope(db_url) as s:
+        assert remove_ended_deliveries(s, keep_s, limit=2) == 2  # the oldest two first
+    with session_scope(db_url) as s:
+        assert remove_ended_deliveries(s, keep_s, limit=2) == 1
+    with session_scope(db_url) as s:
+        assert remove_ended_deliveries(s, keep_s) == 0
+        tries = set(s.scalars(select(WebhookAttempt.delivery_id)))
+    left = {d.subject for d in _deliveries(db_url)}
+    assert left == {recent_sent, old_pending}
+    assert tries == {by_job[recent_sent], by_job[old_pending]}
 
 
 def test_retry_delays_grow_to_an_hour_with_jitter() -> None:
