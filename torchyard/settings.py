@@ -441,3 +441,6 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
         stream=sys.stderr,
     )
+    # The schema check at start (store/migrate.py) loads Alembic, whose INFO lines (its
+    # plugins, the dialect) say nothing to an operator.
+    logging.getLogger("alembic").setLevel(max(logging.getLogger().level, logging.WARNING))
