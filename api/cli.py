@@ -24,11 +24,12 @@ def main(argv: list[str]) -> int:
     settings = get_settings()  # validated now, so a bad variable fails before binding
     if not check_storage(settings):
         return 2
-    from torchyard.store.migrate import wait_for_schema
+    from torchyard.store.migrate import start_schema_watch, wait_for_schema
 
     if (why := wait_for_schema(settings.db_url, settings.schema_wait_s)) is not None:
         print(f"torchyard api: {why}", file=sys.stderr)
         return 2
+    start_schema_watch(settings.db_url, settings.schema_watch_s, "api")
     app = create_app(settings)
     freeze_startup_heap()
     uvicorn.run(

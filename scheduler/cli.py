@@ -56,11 +56,12 @@ def main(argv: list[str]) -> int:
 
     if not check_storage(settings):
         return 2
-    from torchyard.store.migrate import wait_for_schema
+    from torchyard.store.migrate import start_schema_watch, wait_for_schema
 
     if (why := wait_for_schema(settings.db_url, settings.schema_wait_s)) is not None:
         print(f"torchyard scheduler: {why}", file=sys.stderr)
         return 2
+    start_schema_watch(settings.db_url, settings.schema_watch_s, "scheduler")
 
     # Only now: the process loads Celery and the store, which `--help` never needs.
     from torchyard.scheduler.metrics import serve

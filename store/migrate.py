@@ -9,12 +9,17 @@ IMMEDIATE transaction there (store/db.py), which serialises writers anyway.
 
 A service never runs against a schema other than its own: behind (an upgrade still to run,
 or running) it waits, saying so; ahead (a newer release migrated the database) it refuses at
-once, since its queries would fail or, worse, write rows the newer code misreads."""
+once, since its queries would fail or, worse, write rows the newer code misreads; and one
+already running stops when another host's upgrade moves the database past it
+(`start_schema_watch`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -175,6 +180,41 @@ def wait_for_schema(
             say(st.message())
             said, last_said = True, clock()
         sleep(SCHEMA_POLL_S)
+
+
+def start_schema_watch(
+    database_url: str,
+    every_s: float,
+    prog: str,
+    *,
+    stop: Callable[[], None] | None = None,
+) -> threading.Thread | None:
+    """A daemon thread that reads the database's revision every `every_s` seconds and,
+    once a newer release has migrated it (a revision this code does not know: another
+    host's upgrade), says so and stops this process as SIGTERM does (a worker checkpoints
+    its trainer and hands the job back, uncounted): old code never goes on writing to a
+    schema it does not know. Restarted on the old image, the process then refuses to start
+    (`wait_for_schema`). Errors reading the revision are skipped (the next read retries).
+    None when `every_s` is 0 (off)."""
+    if every_s <= 0:
+        return None
+    halt = stop or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                st = schema_state(database_url)
+            except Exception:
+                continue
+            if st.state == "ahead":
+                _stderr(f"torchyard {prog}: {st.message()}. Stopping, as on SIGTERM")
+                halt()
+                return
+
+    t = threading.Thread(target=watch, name="schema-watch", daemon=True)
+    t.start()
+    return t
 
 
 def _stderr(line: str) -> None:

@@ -108,6 +108,10 @@ class Settings(BaseSettings):
     database to reach their schema (`torchyard db upgrade`, run by one process) before they
     exit saying so; 0: do not wait. A database migrated by a newer release is refused at
     once."""
+    schema_watch_s: float = Field(default=60.0, ge=0)
+    """TORCHYARD_SCHEMA_WATCH_S: how often a running api, scheduler or worker reads the
+    database's schema revision; once a newer release has migrated it, the process stops as
+    on SIGTERM (a worker hands its job back first) rather than go on with old code. 0: off."""
     db_pool_timeout_s: float = Field(default=2.0, gt=0)
     """TORCHYARD_DB_POOL_TIMEOUT_S: how long a request waits for a database connection before
     the API answers 503 with Retry-After (never a hang)."""

@@ -68,11 +68,12 @@ def worker_main(argv: list[str]) -> int:
 
     if not check_storage(settings):
         return 2
-    from torchyard.store.migrate import wait_for_schema
+    from torchyard.store.migrate import start_schema_watch, wait_for_schema
 
     if (why := wait_for_schema(settings.db_url, settings.schema_wait_s)) is not None:
         print(f"torchyard worker: {why}", file=sys.stderr)
         return 2
+    start_schema_watch(settings.db_url, settings.schema_watch_s, "worker")
 
     from torchyard.worker.identity import (
         SlotTaken,

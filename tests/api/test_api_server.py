@@ -24,6 +24,7 @@ def test_the_server_freezes_its_startup_heap_before_serving(
     url = f"sqlite:///{tmp_path / 'ty.db'}"
     monkeypatch.setenv("TORCHYARD_DATABASE_URL", url)
     migrate.upgrade(url)  # the server waits for its schema (store/migrate.py)
+    monkeypatch.setenv("TORCHYARD_SCHEMA_WATCH_S", "0")  # no watch thread in this process
     seen: dict[str, Any] = {}
 
     def fake_run(app: Any, **kwargs: Any) -> None:

@@ -6,6 +6,7 @@ ahead (a newer release's), it refuses at once."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -180,3 +181,45 @@ def test_a_service_refuses_a_newer_releases_schema_at_once(empty_url: str, tmp_p
     out, _ = api.communicate(timeout=60)
     assert api.returncode == 2, out
     assert "9999_from_the_future" in out and "newer release" in out
+
+
+def test_the_watch_stops_the_process_once_a_newer_release_migrated(
+    empty_url: str, tmp_path: Path
+) -> None:
+    """Another host's upgrade moves the database past this process's schema: within an
+    interval it says so and stops as on SIGTERM (gracefully)."""
+    migrate.upgrade(empty_url)
+    port = _free_port()
+    env = _env(empty_url, tmp_path, TORCHYARD_SCHEMA_WATCH_S="0.5")
+    api = _torchyard("api", "--port", str(port), env=env)
+    try:
+        _read_until(api, "Uvicorn running")
+        _stamp(empty_url, OLDER)  # a downgrade (or an older revision): not a newer release
+        time.sleep(1.5)
+        assert api.poll() is None
+        _stamp(empty_url, "9999_from_the_future")
+        out, _ = api.communicate(timeout=30)
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.communicate()
+    # uvicorn shuts down gracefully, then re-raises the signal it caught: -SIGTERM.
+    assert api.returncode == -signal.SIGTERM, out
+    assert "Application shutdown complete" in out
+    assert "9999_from_the_future" in out and "Stopping, as on SIGTERM" in out
+
+
+def test_the_watch_skips_reads_that_fail_and_is_off_at_zero(empty_url: str) -> None:
+    migrate.upgrade(empty_url)
+    assert migrate.start_schema_watch(empty_url, 0, "test") is None
+    stopped: list[bool] = []
+    bad = "postgresql+psycopg://nobody@127.0.0.1:1/none?connect_timeout=1"
+    t = migrate.start_schema_watch(bad, 0.05, "test", stop=lambda: stopped.append(True))
+    assert t is not None
+    time.sleep(0.5)
+    assert t.is_alive() and not stopped  # unreadable: nothing decided, reads go on
+    _stamp(empty_url, "9999_from_the_future")
+    t = migrate.start_schema_watch(empty_url, 0.05, "test", stop=lambda: stopped.append(True))
+    assert t is not None
+    t.join(timeout=10)
+    assert stopped == [True] and not t.is_alive()
