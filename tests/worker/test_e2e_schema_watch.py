@@ -6,9 +6,9 @@ not counted). Restarted on code that knows the schema, the job resumes and succe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
+from specs import digits_spec
 from sqlalchemy import select, text
 from worker_cluster import Cluster, checkpointed_and_running, wait_for
 
@@ -16,17 +16,15 @@ from torchyard.store.migrate import head
 
 pytestmark = pytest.mark.e2e
 
-SPEC: dict[str, Any] = {
-    "model": {"name": "mlp", "hidden": [32]},
-    "data": {"name": "digits"},
-    "optimizer": {"name": "sgd", "lr": 0.05},
-    "batch_size": 32,
-    "epochs": 150,
-    "checkpoint": {"every_steps": 200, "every_epochs": None, "keep_last": 2},
-    "log_every_steps": 10,
-    "max_restarts": 0,  # a counted failure would fail the job: the stop must hand it back
-    "seed": 4,
-}
+# batches of 32, 150 epochs: still training well after its first checkpoint.
+SPEC = digits_spec(
+    batch_size=32,
+    epochs=150,
+    checkpoint={"every_steps": 200, "every_epochs": None, "keep_last": 2},
+    log_every_steps=10,
+    max_restarts=0,  # a counted failure would fail the job: the stop must hand it back
+    seed=4,
+)
 NEWER = "9999_from_the_future"
 
 
