@@ -216,6 +216,19 @@ class Storage(ABC):
             return job_key(job_id, relative)
         return stored_file_key(job_id, relative, sha256)
 
+    def recorded_file_key(self, job_id: str, relative: str, sha256: str) -> str:
+        """Where to READ a recorded checkpoint or weights file: `checkpoint_key`, except in
+        an object store that holds only the plain run-directory key for it, where releases
+        before content-named keys uploaded it (found by a HEAD each; nothing writes a plain
+        key any more, so it can no longer be overwritten, and every reader checks the
+        recorded sha256 as for any other). Without it an upgraded deployment lost every
+        earlier checkpoint (its downloads, resumes and `init` weights)."""
+        key = self.checkpoint_key(job_id, relative, sha256)
+        if self.stored_run_dirs or self.exists(key):
+            return key
+        plain = job_key(job_id, relative)
+        return plain if self.exists(plain) else key
+
     def presign(self, key: str, expires_s: int, filename: str | None = None) -> str | None:
         """A URL that GETs the object straight from the store (honouring Range) for
         `expires_s` seconds, saved as `filename` where given (Content-Disposition); None

@@ -76,10 +76,10 @@ def latest_checkpoint(session: Session, job_id: str, kind: str = "resume") -> Ch
 
 
 def checkpoint_key(storage: Storage, row: Checkpoint) -> str:
-    """The storage key of a checkpoint's file (`Storage.checkpoint_key`: in an object
-    store it names the recorded sha256 too); UnsafePath when its recorded path would
-    leave its job's folder."""
-    return storage.checkpoint_key(row.job_id, row.path, row.sha256)
+    """The storage key to read a checkpoint's file from (`Storage.recorded_file_key`: in
+    an object store it names the recorded sha256 too, or it is an earlier release's plain
+    key); UnsafePath when its recorded path would leave its job's folder."""
+    return storage.recorded_file_key(row.job_id, row.path, row.sha256)
 
 
 def checkpoint_file(storage: Storage, row: Checkpoint) -> Path | None:

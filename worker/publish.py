@@ -222,7 +222,8 @@ class CheckpointUploads:
         def drop() -> None:
             for p, sha in rows:
                 try:
-                    self.storage.delete(self.storage.checkpoint_key(self.job_id, p, sha))
+                    # an earlier release's plain key where that is what holds it
+                    self.storage.delete(self.storage.recorded_file_key(self.job_id, p, sha))
                 except (OSError, UnsafePath) as e:
                     log.warning("job %s: could not delete pruned %s (%s)", self.job_id, p, e)
 

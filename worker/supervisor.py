@@ -403,7 +403,7 @@ class Supervision:
             return None
         sha = self._tx(lambda s: recorded_sha256(s, self.c.job_id, rel)) or ""
         try:
-            key = self.storage.checkpoint_key(self.c.job_id, rel, sha)
+            key = self.storage.recorded_file_key(self.c.job_id, rel, sha)
             return self.storage.local_copy(key, sha256=sha or None)
         except ChecksumMismatch as e:
             raise StorageNotShared(

@@ -20,7 +20,12 @@ from torchyard.storage import Storage, job_key
 from torchyard.storage.memory import MemoryStorage
 from torchyard.store.attempts import resume_pick
 from torchyard.store.bundlefiles import archive_key
-from torchyard.store.checkpoints import mark_deleted, record_checkpoint
+from torchyard.store.checkpoints import (
+    checkpoint_available,
+    checkpoint_key,
+    mark_deleted,
+    record_checkpoint,
+)
 from torchyard.store.db import session_scope
 from torchyard.store.models import Checkpoint
 from torchyard.worker.events import EventTail, end_torn_line_at, last_rank_event_at
@@ -112,6 +117,33 @@ def test_the_resume_pick_is_the_newest_checkpoint_still_stored(
         mark_deleted(s, job, ["checkpoints/step-00000020.pt"])
     with session_scope(db_url) as s:
         assert resume_pick(s, job, storage) == "checkpoints/step-00000010.pt"
+
+
+def test_an_earlier_releases_plain_keys_are_still_read(
+    mem: MemoryStorage, plain_settings: Settings, factory: Factory, db_url: str
+) -> None:
+    """Releases before content-named keys uploaded checkpoints and weights to their plain
+    run-directory keys: after an upgrade their rows must still resume, download and serve
+    as `init` weights (the deployment test's upgrade found them all unavailable)."""
+    data = b"weights" * 100
+    sha = hashlib.sha256(data).hexdigest()
+    job = factory.job("alice", state="running")
+    plain = job_key(job, "model.safetensors")
+    mem.write_bytes(plain, data)  # what the earlier release uploaded
+    row = Checkpoint(job_id=job, path="model.safetensors", sha256=sha)
+    assert checkpoint_key(mem, row) == plain and checkpoint_available(mem, row)
+    assert inputs.init_file(plain_settings, row).read_bytes() == data
+    mem.write_bytes(plain, b"not what was recorded")
+    with pytest.raises(inputs.InputError, match="does not match"):
+        inputs.init_file(plain_settings, row)  # checked against the row as any other
+    named = mem.checkpoint_key(job, row.path, sha)
+    mem.write_bytes(named, data)
+    assert checkpoint_key(mem, row) == named  # the content-named key first, when there
+    rel = "checkpoints/step-00000010.pt"
+    _record(db_url, job, rel, 10)
+    mem.write_bytes(job_key(job, rel), b"x")
+    with session_scope(db_url) as s:
+        assert resume_pick(s, job, mem) == rel
 
 
 def _line(**ev: object) -> bytes:

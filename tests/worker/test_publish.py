@@ -158,6 +158,19 @@ def test_pruned_objects_are_deleted(store: Flaky, cache: Path) -> None:
     assert not store.exists(_key(c))
 
 
+def test_a_pruned_checkpoint_of_an_earlier_release_is_deleted_by_its_plain_key(
+    store: Flaky, cache: Path
+) -> None:
+    """Resumed after an upgrade, a job's keep_last prunes checkpoints an earlier release
+    uploaded to plain keys: those objects go too, not only content-named ones."""
+    up = CheckpointUploads(store, cache, JOB)
+    plain = job_key(JOB, "checkpoints/step-00000010.pt")
+    store.write_bytes(plain, b"old")
+    up.delete_pruned([("checkpoints/step-00000010.pt", hashlib.sha256(b"old").hexdigest())])
+    up.close()
+    assert not store.exists(plain)
+
+
 def test_a_fenced_attempt_still_uploading_never_replaces_what_a_later_one_recorded(
     store: Flaky, tmp_path: Path
 ) -> None:
