@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import getpass
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -45,11 +46,22 @@ def db_main(argv: list[str]) -> int:
     with _private():
         url = get_settings().db_url
         if args.action == "upgrade":
+            _say_each_migration()
             migrate.upgrade(url)
             print(f"database at revision {migrate.current(url)}", file=sys.stderr)
         else:
             print(migrate.current(url) or "none")
     return 0
+
+
+def _say_each_migration() -> None:
+    """Alembic's `Running upgrade A -> B, …` lines on stderr: which migrations this
+    process ran (none when another upgrade had run them), for the operator and the logs."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(lambda record: record.getMessage().startswith("Running "))
+    log = logging.getLogger("alembic.runtime.migration")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,15 +38,22 @@ BUILDS = [
     ("torchyard-redis", IMAGES / "redis.Containerfile"),
     ("torchyard-seaweedfs", IMAGES / "seaweedfs.Containerfile"),
 ]
+# The previous release's torchyard image, for the upgrade test.
+PREVIOUS = "torchyard-previous"
+SOURCE_LABEL = "torchyard.source"
 
 
 def image(name: str) -> str:
     return f"localhost/{name}:{TAG}"
 
 
+def deploy_dir() -> Path:
+    return Path(os.environ.get("TORCHYARD_DEPLOY_DIR", "/var/tmp/torchyard-deploy"))
+
+
 def podman_env() -> dict[str, str]:
     """The environment podman needs here: its configuration from the deploy folder."""
-    folder = Path(os.environ.get("TORCHYARD_DEPLOY_DIR", "/var/tmp/torchyard-deploy"))
+    folder = deploy_dir()
     conf, storage = folder / "containers.conf", folder / "storage.conf"
     if not (conf.is_file() and storage.is_file()):
         raise AssertionError(
@@ -64,25 +72,85 @@ def run(argv: list[str], env: dict[str, str], timeout: float = 300) -> str:
     return p.stdout
 
 
+def _base() -> str:
+    return os.environ.get("TORCHYARD_DEPLOY_BASE", "localhost/torchyard-base:bookworm")
+
+
+def _build_argv(name: str) -> list[str]:
+    """`--layers=false`: one layer per image, as vfs copies every layer whole."""
+    return ["podman", "build", "--layers=false", "--network=host", "-t", image(name)]
+
+
+def _torchyard_build_args() -> list[str]:
+    return ["--build-arg", f"PYTHON_IMAGE={_base()}",
+            "--build-arg", f"NODE_IMAGE={image('torchyard-node')}"]  # fmt: skip
+
+
 def build_images(env: dict[str, str], keep: bool) -> dict[str, float]:
-    """Build every image (seconds each). `keep`: an image already there is reused.
-    `--layers=false`: one layer per image, as vfs copies every layer whole."""
-    base = os.environ.get("TORCHYARD_DEPLOY_BASE", "localhost/torchyard-base:bookworm")
+    """Build every image (seconds each). `keep`: an image already there is reused."""
+    base = _base()
     took: dict[str, float] = {}
     for name, containerfile in BUILDS:
         exists = subprocess.run(["podman", "image", "exists", image(name)], env=env).returncode == 0
         if keep and exists:
             continue
-        argv = ["podman", "build", "--layers=false", "--network=host", "-t", image(name)]
+        argv = _build_argv(name)
         if containerfile is None:
-            argv += ["--build-arg", f"PYTHON_IMAGE={base}",
-                     "--build-arg", f"NODE_IMAGE={image('torchyard-node')}", str(ROOT)]  # fmt: skip
+            argv += [*_torchyard_build_args(), str(ROOT)]
         else:
             argv += ["--build-arg", f"BASE={base}", "-f", str(containerfile), str(IMAGES)]
         t0 = time.monotonic()
         run(argv, env, timeout=3600)
         took[name] = round(time.monotonic() - t0, 1)
     return took
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def previous_ref() -> str:
+    """The commit the upgrade starts from: TORCHYARD_UPGRADE_FROM (any git ref), else the
+    parent of the commit that added the newest migration, so that the upgrade runs at least
+    one real migration. (A newest migration not committed yet: HEAD is the release before.)"""
+    ref = os.environ.get("TORCHYARD_UPGRADE_FROM")
+    if not ref:
+        newest = sorted((ROOT / "migrations" / "versions").glob("[0-9]*.py"))[-1]
+        rel = newest.relative_to(ROOT).as_posix()
+        added = _git("log", "--diff-filter=A", "--format=%H", "-1", "--", rel)
+        ref = f"{added}^" if added else "HEAD"
+    return _git("rev-parse", "--verify", f"{ref}^{{commit}}")
+
+
+def build_previous(env: dict[str, str], keep: bool) -> tuple[str, float | None]:
+    """The previous release's torchyard image, `image(PREVIOUS)`, built from the tree of
+    `previous_ref()`: its commit and the seconds the build took (None: `keep` and an image
+    of that commit is there). That tree gets the *current* Dockerfile and .dockerignore:
+    older Dockerfiles lack the base-image build arguments (PYTHON_IMAGE, NODE_IMAGE) a host
+    without a registry needs. Its own code, pyproject.toml and constraints are what go in."""
+    ref = previous_ref()
+    got = subprocess.run(["podman", "image", "inspect", "--format",
+                          f'{{{{index .Labels "{SOURCE_LABEL}"}}}}', image(PREVIOUS)],
+                         env=env, capture_output=True, text=True)  # fmt: skip
+    if keep and got.returncode == 0 and got.stdout.strip() == ref:
+        return ref, None
+    src = deploy_dir() / "previous-src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    t0 = time.monotonic()
+    try:
+        archive = subprocess.Popen(["git", "-C", str(ROOT), "archive", ref], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", str(src)], stdin=archive.stdout, check=True)
+        assert archive.wait() == 0, f"git archive {ref} failed"
+        for f in ("Dockerfile", ".dockerignore"):
+            shutil.copy(ROOT / f, src / f)
+        argv = [*_build_argv(PREVIOUS), *_torchyard_build_args(),
+                "--label", f"{SOURCE_LABEL}={ref}", str(src)]  # fmt: skip
+        run(argv, env, timeout=3600)
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    return ref, round(time.monotonic() - t0, 1)
 
 
 def _free_port(avoid: set[int], plus: tuple[int, ...] = (0,)) -> int:
@@ -140,10 +208,16 @@ class Stack:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.env['TORCHYARD_API_PORT']}"
 
-    def compose(self, *args: str, timeout: float = 600) -> str:
+    @staticmethod
+    def compose_argv() -> list[str]:
+        """podman-compose with this project's name and files: scripts/backup.sh and
+        scripts/restore.sh get it as COMPOSE."""
         tool = Path(sys.executable).parent / "podman-compose"
         files = [a for f in COMPOSE_FILES for a in ("-f", str(f))]
-        return run([str(tool), "-p", PROJECT, *files, *args], self.env, timeout)
+        return [str(tool), "-p", PROJECT, *files]
+
+    def compose(self, *args: str, timeout: float = 600) -> str:
+        return run([*self.compose_argv(), *args], self.env, timeout)
 
     def podman(self, *args: str, timeout: float = 300) -> str:
         return run(["podman", *args], self.env, timeout)
@@ -210,6 +284,6 @@ class Stack:
 
 def remove_images(env: dict[str, str]) -> None:
     """Remove every image the test built (the cached base stays)."""
-    for name, _ in reversed(BUILDS):
+    for name in [PREVIOUS, *(n for n, _ in reversed(BUILDS))]:
         subprocess.run(["podman", "rmi", "-f", image(name)], env=env, capture_output=True)
     subprocess.run(["podman", "image", "prune", "-f"], env=env, capture_output=True)

@@ -2,11 +2,19 @@
 podman-compose on podman with deploy/compose.cpu.yml (two CPU workers, host networking,
 tests/deploy/podmanlib.py says why and how).
 
-A world_size-2 job (one rank in each worker container) is submitted through the API's port
-with the `torchyard` client, followed to its end and its checkpoint downloaded. Then each
-of api, scheduler, a worker, PostgreSQL, Redis and the object store is restarted in turn
-while a job runs, and that job must still succeed. Last, everything is stopped and the
-containers, volumes and images the test made are removed (the cached base image stays).
+The stack starts on the previous release's torchyard image (podmanlib.build_previous: the
+tree of TORCHYARD_UPGRADE_FROM, by default the commit before the newest migration) with a
+fresh database, runs a short job, and is upgraded to the image built from this tree: the
+torchyard services stopped, two `db upgrade`s started at once (the migrate service and a
+`compose run`), then the new api, scheduler and workers; test_an_upgrade_keeps_every_job
+checks what the upgrade kept. On the upgraded stack a world_size-2 job (one rank in each
+worker container) is submitted through the API's port with the `torchyard` client, followed
+to its end and its checkpoint downloaded. Then each of api, scheduler, a worker, PostgreSQL,
+Redis and the object store is restarted in turn while a job runs, and that job must still
+succeed. Then scripts/backup.sh, `down -v`, scripts/restore.sh into the fresh deployment,
+and the jobs' checkpoints, metrics and the admin token must all be back. Last, everything
+is stopped and the containers, volumes and images the test made are removed (the cached
+base image stays).
 
 Slow (image builds: minutes) and needs root and podman: it runs only when asked for,
 `bash scripts/deploy_test.sh` (which sets TORCHYARD_DEPLOY_TEST=1) or `-m deploy`; asked
@@ -16,19 +24,33 @@ built images for the next run (and reuses those already there).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from podmanlib import PROJECT, Stack, build_images, podman_env, remove_images, stack_env
+from alembic.script import ScriptDirectory
+from podmanlib import (
+    PREVIOUS,
+    PROJECT,
+    ROOT,
+    Stack,
+    build_images,
+    build_previous,
+    image,
+    podman_env,
+    remove_images,
+    stack_env,
+)
 
 # The first test's setup builds every image: many minutes on a small host.
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(3600)]
@@ -46,10 +68,39 @@ SPEC: dict[str, Any] = {
     "log_every_steps": 10,
     "seed": 3,
 }
+# A short job (one epoch: about ten checkpoints, of which keep_last leaves 2).
+SHORT: dict[str, Any] = {"epochs": 1}
 RESTARTED = ["api", "scheduler", "worker-cpu0", "postgres", "redis", "objectstore"]
 HEALTH_CHECKED = {"api", "postgres", "redis", "objectstore"}
+TORCHYARD_SERVICES = ["api", "scheduler", "worker-cpu0", "worker-cpu1"]
 ENDED = ("succeeded", "failed", "cancelled")
 TIMINGS: dict[str, Any] = {}
+
+
+@dataclass
+class Kept:
+    """What a job has that must survive an upgrade or a restore: the sha256 of each
+    checkpoint's download (`latest`, `weights`) and its metrics ({name: (steps, values)})."""
+
+    job_id: str
+    sha256: dict[str, str]
+    metrics: dict[str, tuple[list[int], list[float]]]
+
+
+@dataclass
+class Upgrade:
+    """What the fixture's upgrade saw, for test_an_upgrade_keeps_every_job."""
+
+    ref: str
+    before: Kept
+    revision_before: str
+    revision_after: str
+    migrate_log: str  # the migrate service's container
+    second_rc: int  # the `compose run migrate` started at the same time
+    second_log: str
+
+
+UPGRADE: list[Upgrade] = []
 
 
 def _asked(config: pytest.Config) -> bool:
@@ -67,14 +118,32 @@ def _start(s: Stack) -> None:
     s.up("bucket", "migrate")
     s.wait_completed("bucket")
     s.wait_completed("migrate")
-    # Done with: vfs keeps a whole copy of the (6 GB) image for each container.
-    s.podman("rm", s.container("bucket"), s.container("migrate"))
-    s.up("api", "scheduler", "worker-cpu0", "worker-cpu1")
+    _remove_one_shots(s, "bucket", "migrate")
+    s.up(*TORCHYARD_SERVICES)
     s.wait_healthy("api")
 
 
+def _remove_one_shots(s: Stack, *services: str) -> None:
+    """Done with: vfs keeps a whole copy of the (6 GB) image for each container."""
+    s.podman("rm", *[s.container(name) for name in services])
+
+
+def _head() -> str:
+    """The newest migration of this tree: the schema the image built from it migrates to."""
+    head = ScriptDirectory(str(ROOT / "migrations")).get_current_head()
+    assert head, "no migrations"
+    return head
+
+
+def _db_current(s: Stack) -> str:
+    """`torchyard db current`, in the running api container (no new container)."""
+    return s.podman("exec", s.container("api"), "torchyard", "db", "current").strip()
+
+
 @pytest.fixture(scope="module")
-def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     if not _asked(request.config):
         pytest.skip("runs only when asked for: bash scripts/deploy_test.sh (or -m deploy)")
     env = podman_env()
@@ -83,13 +152,17 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     s = Stack(stack_env(env))
     try:
         TIMINGS["build_s"] = build_images(env, keep)
+        ref, took = build_previous(env, keep)
+        TIMINGS["build_s"][PREVIOUS] = took
         t1 = time.monotonic()
+        s.env["TORCHYARD_IMAGE"] = image(PREVIOUS)
         _start(s)
-        TIMINGS["up_s"] = round(time.monotonic() - t1, 1)
+        TIMINGS["up_previous_s"] = round(time.monotonic() - t1, 1)
         out = s.podman("exec", s.container("api"), "torchyard", "token", "create",
                        "--local", "--user", "admin", "--admin")  # fmt: skip
         s.env["TORCHYARD_TOKEN"] = out.strip().splitlines()[-1]
         s.env["TORCHYARD_URL"] = s.api_url
+        UPGRADE.append(_upgrade(s, ref, tmp_path_factory.mktemp("upgrade"), keep))
         yield s
     finally:
         t2 = time.monotonic()
@@ -139,6 +212,61 @@ def _job(s: Stack, job_id: str) -> dict[str, Any]:
     return r.json()
 
 
+def _metrics(s: Stack, job_id: str) -> dict[str, tuple[list[int], list[float]]]:
+    """Every point of every series of the job (one page: a short job has few)."""
+    r = httpx.get(f"{s.api_url}/v1/jobs/{job_id}/metrics", timeout=30,
+                  headers={"Authorization": f"Bearer {s.env['TORCHYARD_TOKEN']}"})  # fmt: skip
+    r.raise_for_status()
+    got = r.json()
+    assert got.get("next_after_step") is None, "more than one page of metrics"
+    return {name: (c["steps"], c["values"]) for name, c in got["series"].items()}
+
+
+def _kept(s: Stack, job_id: str, where: Path) -> Kept:
+    """The job's checkpoints, downloaded with the client (sha256 each), and its metrics."""
+    where.mkdir(parents=True, exist_ok=True)
+    sha256 = {}
+    for which in ("latest", "weights"):
+        out = where / f"{job_id}-{which}"
+        p = _client(s, "download", job_id, "-c", which, "-o", str(out))
+        assert p.returncode == 0, f"{p.stderr[-2000:]}checkpoints: {_checkpoints(s, job_id)}"
+        sha256[which] = hashlib.sha256(out.read_bytes()).hexdigest()
+    metrics = _metrics(s, job_id)
+    assert metrics and all(steps for steps, _ in metrics.values()), metrics
+    return Kept(job_id, sha256, metrics)
+
+
+def _upgrade(s: Stack, ref: str, tmp: Path, keep: bool) -> Upgrade:
+    """On the previous release: a short job to success, what it left; then the torchyard
+    services stopped and removed, two `db upgrade`s of the new image at once (the migrate
+    service, and `compose run` as an operator might), the new services started."""
+    t0 = time.monotonic()
+    job_id = _submit(s, tmp, **SHORT, seed=11)
+    _follow_to_success(s, job_id)
+    before = _kept(s, job_id, tmp / "before")
+    revision_before = _db_current(s)
+    TIMINGS["previous_job_s"] = round(time.monotonic() - t0, 1)
+    t1 = time.monotonic()
+    s.compose("stop", "-t", "60", *TORCHYARD_SERVICES)
+    _remove_one_shots(s, *TORCHYARD_SERVICES)
+    if not keep:  # no container uses it now: 6 GB back before the new ones are made
+        s.podman("rmi", image(PREVIOUS))
+    s.env["TORCHYARD_IMAGE"] = image("torchyard")
+    second = subprocess.Popen([*s.compose_argv(), "run", "--rm", "--no-deps", "-T", "migrate"],
+                              env=s.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)  # fmt: skip
+    s.up("migrate")
+    second_log, _ = second.communicate(timeout=900)
+    s.wait_completed("migrate")  # once the `run` container is gone: one migrate container
+    migrate_log = s.logs("migrate", 200)
+    _remove_one_shots(s, "migrate")
+    s.up(*TORCHYARD_SERVICES)
+    s.wait_healthy("api")
+    TIMINGS["upgrade_s"] = round(time.monotonic() - t1, 1)
+    return Upgrade(ref, before, revision_before, _db_current(s), migrate_log,
+                   second.returncode, second_log)  # fmt: skip
+
+
 def _checkpoints(s: Stack, job_id: str) -> list[dict[str, Any]]:
     r = httpx.get(f"{s.api_url}/v1/jobs/{job_id}/checkpoints", timeout=10,
                   headers={"Authorization": f"Bearer {s.env['TORCHYARD_TOKEN']}"})  # fmt: skip
@@ -167,6 +295,35 @@ def _follow_to_success(s: Stack, job_id: str) -> dict[str, Any]:
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return j
+
+
+def test_an_upgrade_keeps_every_job(stack: Stack, tmp_path: Path) -> None:
+    """The fixture started the stack on the previous release and upgraded it."""
+    (u,) = UPGRADE
+    head = _head()
+    assert u.revision_before != head, f"{u.ref} is already at {head}: nothing was migrated"
+    assert u.revision_after == head, (u.revision_before, u.revision_after)
+    # Two upgrades at once: both ended well and at head (one migrated, the other waited on
+    # the migration lock, or came after and found nothing to do).
+    assert u.second_rc == 0, u.second_log[-3000:]
+    for log in (u.migrate_log, u.second_log):
+        assert f"database at revision {head}" in log, log[-3000:]
+    # `db upgrade` says each migration it ran ("Running upgrade A -> B, …"): every step
+    # from the old revision to head ran, and none twice.
+    steps = [line.split("Running upgrade", 1)[1].split(",")[0].strip()
+             for line in (u.migrate_log + u.second_log).splitlines() if "Running upgrade" in line]  # fmt: skip
+    assert steps and len(steps) == len(set(steps)), steps
+    assert steps[0].startswith(f"{u.revision_before} ->") and steps[-1].endswith(head), steps
+    TIMINGS["upgrade_second_waited"] = any(
+        "waiting for it" in log for log in (u.migrate_log, u.second_log)
+    )
+    assert _job(stack, u.before.job_id)["state"] == "succeeded"
+    assert _metrics(stack, u.before.job_id) == u.before.metrics
+    t0 = time.monotonic()
+    _follow_to_success(stack, _submit(stack, tmp_path, **SHORT, seed=12))
+    TIMINGS["upgraded_job_s"] = round(time.monotonic() - t0, 1)
+    # Last, as it names what is missing: the checkpoints, downloaded again.
+    assert _kept(stack, u.before.job_id, tmp_path / "after") == u.before
 
 
 def test_a_ddp_job_runs_and_its_checkpoint_downloads(stack: Stack, tmp_path: Path) -> None:
@@ -206,3 +363,40 @@ def test_a_job_survives_a_restart_of(stack: Stack, tmp_path: Path, service: str)
         # The stopped worker checkpointed its rank and handed the job back: a new attempt.
         assert len(j["attempts"]) >= 2, j["attempts"]
     TIMINGS[f"restart_{service}_s"] = round(time.monotonic() - t0, 1)
+
+
+def _script(s: Stack, argv: list[str]) -> str:
+    """One of scripts/, run as the README says, with this stack's compose command."""
+    env = s.env | {"COMPOSE": " ".join(s.compose_argv())}
+    p = subprocess.run(["bash", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1200)  # fmt: skip
+    assert p.returncode == 0, f"{argv} exited {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+    return p.stderr
+
+
+def test_a_backup_restores_into_a_fresh_deployment(stack: Stack, tmp_path: Path) -> None:
+    """scripts/backup.sh on the running stack, `down -v`, scripts/restore.sh into the empty
+    one: the jobs' checkpoints and metrics are back, and so is the admin's token."""
+    job_id = _submit(stack, tmp_path, **SHORT, seed=13)
+    _follow_to_success(stack, job_id)
+    before = _kept(stack, job_id, tmp_path / "before")
+    backup = tmp_path / "backup"
+    t0 = time.monotonic()
+    _script(stack, ["scripts/backup.sh", str(backup)])
+    TIMINGS["backup_s"] = round(time.monotonic() - t0, 1)
+    assert f"schema_revision: {_head()}\n" in (backup / "MANIFEST").read_text()
+    t1 = time.monotonic()
+    stack.down()
+    TIMINGS["down_v_s"] = round(time.monotonic() - t1, 1)
+    t2 = time.monotonic()
+    # All of restore.sh but its last step, `up -d`: podman 4.3 cannot start containers
+    # created with podman-compose's --requires chains ("depends on container … not found
+    # in input list"), so the services start as the fixture starts them (`up --no-deps`,
+    # in depends_on order; postgres already runs).
+    _script(stack, ["scripts/restore.sh", "--no-start", str(backup)])
+    _start(stack)
+    TIMINGS["restore_s"] = round(time.monotonic() - t2, 1)
+    # The token of before the backup: every request below carries it.
+    assert _kept(stack, job_id, tmp_path / "after") == before
+    assert _job(stack, job_id)["state"] == "succeeded"
+    assert _db_current(stack) == _head()
