@@ -57,11 +57,13 @@ def db_main(argv: list[str]) -> int:
 def _say_each_migration() -> None:
     """Alembic's `Running upgrade A -> B, …` lines on stderr: which migrations this
     process ran (none when another upgrade had run them), for the operator and the logs."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(lambda record: record.getMessage().startswith("Running "))
     log = logging.getLogger("alembic.runtime.migration")
-    log.addHandler(handler)
     log.setLevel(logging.INFO)
+    if not any(getattr(h, "torchyard_migrations", False) for h in log.handlers):
+        handler = logging.StreamHandler()  # sys.stderr as it is at each record
+        handler.addFilter(lambda record: record.getMessage().startswith("Running "))
+        handler.torchyard_migrations = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
 
 
 @contextlib.contextmanager

@@ -53,7 +53,10 @@ def test_upgrade_from_empty_matches_the_models(empty_url: str) -> None:
     assert _diff(empty_url) == []
 
 
-def test_db_upgrade_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_db_upgrade_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It migrates, saying each migration it ran; run again, it has none to run."""
     from torchyard.settings import get_settings
     from torchyard.store.cli import db_main
 
@@ -62,9 +65,17 @@ def test_db_upgrade_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     get_settings.cache_clear()
     try:
         assert db_main(["upgrade"]) == 0
+        first = capsys.readouterr().err
+        assert db_main(["upgrade"]) == 0
+        second = capsys.readouterr().err
     finally:
         get_settings.cache_clear()
     assert _diff(url) == []
+    ran = [ln for ln in first.splitlines() if ln.startswith("Running upgrade")]
+    assert len(ran) == len(set(ran)) > 10 and ran[-1].startswith(
+        f"Running upgrade 0017 -> {_head()}"
+    )
+    assert "Running upgrade" not in second and f"database at revision {_head()}" in second
 
 
 def test_metric_keys_compare_bytewise_and_reference_nothing(empty_url: str) -> None:
