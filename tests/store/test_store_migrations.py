@@ -72,9 +72,7 @@ def test_db_upgrade_command(
         get_settings.cache_clear()
     assert _diff(url) == []
     ran = [ln for ln in first.splitlines() if ln.startswith("Running upgrade")]
-    assert len(ran) == len(set(ran)) > 10 and ran[-1].startswith(
-        f"Running upgrade 0017 -> {_head()}"
-    )
+    assert len(ran) == len(set(ran)) > 10 and f" -> {_head()}, " in ran[-1]
     assert "Running upgrade" not in second and f"database at revision {_head()}" in second
 
 
