@@ -217,17 +217,26 @@ class Storage(ABC):
         return stored_file_key(job_id, relative, sha256)
 
     def recorded_file_key(self, job_id: str, relative: str, sha256: str) -> str:
-        """Where to READ a recorded checkpoint or weights file: `checkpoint_key`, except in
-        an object store that holds only the plain run-directory key for it, where releases
-        before content-named keys uploaded it (found by a HEAD each; nothing writes a plain
-        key any more, so it can no longer be overwritten, and every reader checks the
-        recorded sha256 as for any other). Without it an upgraded deployment lost every
-        earlier checkpoint (its downloads, resumes and `init` weights)."""
+        """Where to READ a recorded checkpoint or weights file: `find_recorded_file`'s key,
+        else `checkpoint_key` (whose absence the reader then meets)."""
+        found = self.find_recorded_file(job_id, relative, sha256)
+        return found if found is not None else self.checkpoint_key(job_id, relative, sha256)
+
+    def find_recorded_file(self, job_id: str, relative: str, sha256: str) -> str | None:
+        """The key holding a recorded checkpoint or weights file, None when there is none:
+        `checkpoint_key`, or in an object store that holds only the plain run-directory
+        key for it, that key: releases before content-named keys uploaded it there
+        (nothing writes a plain key any more, so it can no longer be overwritten, and every
+        reader checks the recorded sha256 as for any other). Without it an upgraded
+        deployment lost every earlier checkpoint (its downloads, resumes and `init`
+        weights). One HEAD when the content-named key is there."""
         key = self.checkpoint_key(job_id, relative, sha256)
-        if self.stored_run_dirs or self.exists(key):
+        if self.exists(key):
             return key
+        if self.stored_run_dirs:
+            return None
         plain = job_key(job_id, relative)
-        return plain if self.exists(plain) else key
+        return plain if self.exists(plain) else None
 
     def presign(self, key: str, expires_s: int, filename: str | None = None) -> str | None:
         """A URL that GETs the object straight from the store (honouring Range) for

@@ -366,7 +366,7 @@ def resume_pick(session: Session, job_id: str, storage: Storage) -> str | None:
     (keep_last deletes old ones), relative to the run directory; None: a fresh start."""
     for rel, sha in _resume_candidates(session, job_id):
         try:
-            if storage.exists(storage.recorded_file_key(job_id, rel, sha)):
+            if storage.find_recorded_file(job_id, rel, sha) is not None:
                 return rel
         except UnsafePath:
             continue

@@ -87,10 +87,11 @@ def checkpoint_file(storage: Storage, row: Checkpoint) -> Path | None:
     folder (symlinks resolved), FileNotFoundError when it is gone. Returns its own local
     file where the backend has one (what a FileResponse serves), else None (read it
     through `storage` by `checkpoint_key`)."""
-    key = checkpoint_key(storage, row)
+    key = storage.checkpoint_key(row.job_id, row.path, row.sha256)
     path = storage.local_path(key)
-    if path is None:
-        storage.stat(key)
+    if path is None:  # an object store: one HEAD (two for an earlier release's key)
+        if storage.find_recorded_file(row.job_id, row.path, row.sha256) is None:
+            raise FileNotFoundError(row.path)
         return None
     if not path.is_file():
         raise FileNotFoundError(row.path)
