@@ -173,9 +173,15 @@ class Cluster:
             return ""
 
     def start(self, workers: int = 2, schedulers: int = 1) -> Cluster:
-        subprocess.run(
-            [sys.executable, "-m", "torchyard", "db", "upgrade"], cwd=ROOT, env=self.env, check=True
-        )
+        # Its lines (one per migration) only when it fails: benches print their own figures.
+        done = subprocess.run(
+            [sys.executable, "-m", "torchyard", "db", "upgrade"],
+            cwd=ROOT, env=self.env, capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(
+                f"torchyard db upgrade: exit {done.returncode}\n{done.stdout}{done.stderr}"
+            )
         from torchyard.store.auth import create_token
 
         with self.session() as s:
