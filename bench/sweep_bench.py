@@ -2,7 +2,7 @@
 worker-seconds, and the latencies of the trial path.
 
     .venv/bin/python bench/sweep_bench.py [--trials 16] [--parallel 2] [--epochs 30]
-        [--seeds 0,1,2] [--sampler random]
+        [--seeds 0,1,2] [--sampler random] [--record curves.json]
 
 Starts `torchyard api`, `torchyard scheduler` and --workers CPU workers (3: one more than
 --parallel, so that the slot a trial left refills its warm trainer while the next trial
@@ -27,11 +27,15 @@ Latencies, from each trial's events file (the trainer's own clock) and the store
 - prune decided -> trainer stopped: the verdict file's mtime (the worker wrote it after
   recording the decision) to the trainer's `stopped` event, and to the attempt's end as
   recorded by the worker; goal <= 1 s.
+
+--record FILE keeps every trial's objective curve and worker-seconds (both sweeps of each
+seed), for bench/sweep_replay.py to replay through other pruning rules.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -56,6 +60,7 @@ GOAL_BEST_WITHIN = 0.003  # one validation sample of digits' 360 is 0.0028
 GOAL_RATIO = 0.3
 GOAL_FIRST_STEP_S = 0.5
 GOAL_STOP_S = 1.0
+OBJECTIVE = "val/accuracy"
 
 
 def sweep_body(args: argparse.Namespace, pruner: str, seed: int) -> dict[str, Any]:
@@ -77,7 +82,7 @@ def sweep_body(args: argparse.Namespace, pruner: str, seed: int) -> dict[str, An
     }
     return {
         "name": f"bench-{pruner}-{seed}", "spec": spec, "space": space,
-        "objective": {"metric": "val/accuracy", "mode": "max"}, "trials": args.trials,
+        "objective": {"metric": OBJECTIVE, "mode": "max"}, "trials": args.trials,
         "parallel": args.parallel, "sampler": args.sampler, "pruner": pruner, "seed": seed,
     }  # fmt: skip
 
@@ -92,7 +97,7 @@ def _events(c: Cluster, job_id: str) -> list[dict[str, Any]]:
 
 
 def trial_figures(c: Cluster, ty: Client, job_id: str) -> dict[str, Any]:
-    """One trial's worker-seconds and latencies (None where it has none)."""
+    """One trial's worker-seconds, latencies (None where it has none) and objective curve."""
     job = ty.job(job_id)
     atts = job["attempts"]
     spans = [_ts(a["ended_at"]) - _ts(a["started_at"]) for a in atts
@@ -107,6 +112,8 @@ def trial_figures(c: Cluster, ty: Client, job_id: str) -> dict[str, Any]:
             for i, e in enumerate(events[:-1])
             if e["type"] == "rung"
         ],
+        "curve": ty.metrics(job_id, name=OBJECTIVE).get(OBJECTIVE, {}).get("values", []),
+        "epoch_s": _epoch_s(events),
     }
     stopped = [e for e in events if e["type"] == "stopped" and e.get("signal") == "pruned"]
     rungs = [e for e in events if e["type"] == "rung"]
@@ -116,6 +123,13 @@ def trial_figures(c: Cluster, ty: Client, job_id: str) -> dict[str, Any]:
         out["decided_to_stopped_s"] = stopped[-1]["time"] - decided
         out["decided_to_ended_s"] = _ts(atts[-1]["ended_at"]) - decided
     return out
+
+
+def _epoch_s(events: list[dict[str, Any]]) -> float | None:
+    """The median time between the trainer's evaluations of the objective (one epoch each)."""
+    times = [e["time"] for e in events if e["type"] == "metric" and e.get("name") == OBJECTIVE]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return statistics.median(gaps) if gaps else None
 
 
 def run_sweep(c: Cluster, ty: Client, body: dict[str, Any]) -> dict[str, Any]:
@@ -172,6 +186,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=30, help="epochs of an unpruned trial")
     p.add_argument("--seeds", default="0,1,2", help="the sampler's seeds, one pair each")
     p.add_argument("--sampler", default="random", choices=["random", "tpe"])
+    p.add_argument("--record", type=Path, help="write each trial's curve here (sweep_replay.py)")
     p.add_argument(
         "--workers",
         type=int,
@@ -193,11 +208,33 @@ def main() -> int:
                 plain = run_sweep(c, ty, sweep_body(args, "none", seed))
                 asha = run_sweep(c, ty, sweep_body(args, "asha", seed))
                 results.append((seed, plain, asha))
+                if args.record:
+                    record(args, results)
                 print(f"seed {seed} done", file=sys.stderr, flush=True)
     finally:
         c.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return summarise(args, results)
+
+
+def record(args: argparse.Namespace, results: list[tuple[int, Any, Any]]) -> None:
+    """Each seed's trials, both sweeps: params, state, worker-seconds, epoch time, curve."""
+
+    def trials(r: dict[str, Any]) -> list[dict[str, Any]]:
+        return [
+            {
+                "number": t["number"], "params": t["params"], "state": t["state"],
+                "worker_s": r["figures"][t["job_id"]]["worker_s"],
+                "epoch_s": r["figures"][t["job_id"]]["epoch_s"],
+                "curve": r["figures"][t["job_id"]]["curve"],
+            }
+            for t in r["sweep"]["trials"] if t["job_id"] in r["figures"]
+        ]  # fmt: skip
+
+    out = {"epochs": args.epochs, "trials": args.trials, "parallel": args.parallel, "seeds": {
+        str(seed): {"none": trials(plain), "asha": trials(asha)} for seed, plain, asha in results
+    }}  # fmt: skip
+    args.record.write_text(json.dumps(out, indent=1))
 
 
 def summarise(args: argparse.Namespace, results: list[tuple[int, Any, Any]]) -> int:
