@@ -221,6 +221,23 @@ class Injector:
             self.log(f"fault {kind} done in {time.monotonic() - t0:.1f}s")
 
 
+def describe_processes(pids: list[int]) -> list[str]:
+    """`pid: command line` of each (what a failed leftover check shows)."""
+    out = []
+    for pid in pids:
+        try:
+            cmd = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
+        except OSError:
+            cmd = "(gone)"
+        out.append(f"{pid}: {cmd[:400]}")
+    return out
+
+
 def leftover_trainers(caches: list[Path]) -> list[int]:
     """Trainers (not idle standbys) still running in a run directory of any host."""
     from worker_cluster import processes_mentioning
