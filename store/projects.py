@@ -207,15 +207,15 @@ def members_of(session: Session, project_id: int) -> list[tuple[str, str]]:
         .join(User, User.id == ProjectMember.user_id)
         .where(ProjectMember.project_id == project_id)
     )
-    return sorted(session.execute(q).tuples(), key=lambda r: (-RANK[r[1]], r[0]))
+    rows = [(name, role) for name, role in session.execute(q)]
+    return sorted(rows, key=lambda r: (-RANK[r[1]], r[0]))
 
 
 def project_names(session: Session, ids: set[int]) -> dict[int, str]:
     if not ids:
         return {}
-    return dict(
-        session.execute(select(Project.id, Project.name).where(Project.id.in_(ids))).tuples().all()
-    )
+    q = select(Project.id, Project.name).where(Project.id.in_(ids))
+    return {pid: name for pid, name in session.execute(q)}
 
 
 def visible_job_ids(session: Session, user_id: int, job_ids: Iterable[str | None]) -> list[str]:
