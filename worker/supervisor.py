@@ -748,9 +748,14 @@ class Supervision:
             prune_reason=self.prune_reason,
         )
         decision = decide(self._with_evidence(ending))
-        if decision is not None and self.stop_why is None and peer_decides_first(ending, decision):
+        if (
+            decision is not None
+            and self.stop_why is None
+            and peer_decides_first(ending, decision, self.c.world_size)
+        ):
             # Another rank has the real cause (a rank whose peer died reports only that;
-            # a rank that left no report of its own defers to rank 0): let it decide first.
+            # a rank that left no report of its own defers to rank 0; a rank stopped with
+            # its gang defers to the worker that stopped it): let it decide first.
             deadline = time.monotonic() + PEER_DECIDES_S
             while time.monotonic() < deadline:
                 if self._poll_store()[1] not in ATTEMPT_ACTIVE:
@@ -955,13 +960,17 @@ class StorageNotShared(RuntimeError):
     """A rank cannot read the checkpoint rank 0 resumes from."""
 
 
-def peer_decides_first(e: Ending, d: Decision) -> bool:
+def peer_decides_first(e: Ending, d: Decision, world_size: int) -> bool:
     """Whether this rank should wait for another rank's worker to end the attempt: its
-    trainer failed because a peer did (`peer_failed`), or it is a rank other than 0 that
-    failed without a report of its own."""
+    trainer failed because a peer did (`peer_failed`), it is a rank other than 0 that
+    failed without a report of its own, or it stopped at a checkpoint nobody here asked for
+    while it has peers (every rank stops together when one rank's worker stops its trainer:
+    that worker has the cause, a scancel or a SIGTERM of that host, and hands the job back)."""
     if d.outcome not in (A_LOST, A_FAILED):
         return False
     kind = (e.error or {}).get("kind")
+    if e.stopped and e.stop_why is None and kind is None and world_size > 1:
+        return True
     return kind == "peer_failed" or (e.rank != 0 and kind is None)
 
 

@@ -120,14 +120,24 @@ def test_a_rank_that_fails_alone_is_classified_by_its_own_report(tmp_path: Path)
     d = decide(_ending(error=mine))
     assert d is not None and d.outcome == A_FAILED and not d.retryable
     assert d.reason.startswith("rank 1: data: mnist")
-    assert not peer_decides_first(_ending(error=mine), d)
+    assert not peer_decides_first(_ending(error=mine), d, 2)
     oom = decide(_ending(error={"kind": "out_of_memory", "message": "CUDA out of memory"}))
     assert oom is not None and oom.outcome == A_FAILED and not oom.retryable
     # The victims: a rank whose peer died waits for the peer's worker, then counts as lost.
     peer = _ending(rank=0, error={"kind": "peer_failed", "message": "Connection closed"})
     dp = decide(peer)
     assert dp is not None and dp.outcome == A_LOST and dp.retryable
-    assert peer_decides_first(peer, dp)
+    assert peer_decides_first(peer, dp, 2)
     silent = _ending(rank=1)  # no report of its own: rank 0 decides first
     ds = decide(silent)
-    assert ds is not None and peer_decides_first(silent, ds)
+    assert ds is not None and peer_decides_first(silent, ds, 2)
+    # Stopped at a checkpoint its own worker did not ask for: a peer's worker stopped the
+    # gang (a scancel of that host) and decides; with no peer the stop is the job's doing.
+    stopped = _ending(rank=0, rc=1, stopped=True, last_step=55)
+    dst = decide(stopped)
+    assert dst is not None and dst.outcome == A_FAILED
+    assert peer_decides_first(stopped, dst, 2)
+    assert not peer_decides_first(stopped, dst, 1)
+    asked = _ending(rank=0, rc=75, stopped=True, stop_why="stopping")
+    da = decide(asked)
+    assert da is not None and not peer_decides_first(asked, da, 2)
