@@ -191,7 +191,10 @@ def test_compile_with_channels_last_trains(tmp_path: Path, cifar_root: Path) -> 
     assert code == 0, ev.of_type("error")
     losses = [e["value"] for e in ev.of_type("metric") if e["name"] == "train/loss"]
     assert losses[-1] < 0.7 * losses[0], losses
-    assert ev.of_type("finished")[-1]["metrics"]["val/accuracy"] > 0.3
+    # Twice chance (10 classes) after 60 steps: an H200 under torch 2.11 ended at exactly 0.3
+    # (60 of 200), so the old bar of > 0.3 sat on what the compiled model reaches, not above
+    # what a broken one would.
+    assert ev.of_type("finished")[-1]["metrics"]["val/accuracy"] >= 0.2
 
 
 DETERMINISTIC = dict(

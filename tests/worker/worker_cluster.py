@@ -192,10 +192,20 @@ class Cluster:
             self._spawn(name, ["scheduler", "--log-level", "INFO"])
         for i in range(workers):
             self.start_worker(f"w{i}")
-        wait_for(lambda: self.http.get("/healthz").status_code == 200, 60, "the API")
+        try:
+            wait_for(self._api_up, 60, "the API")
+        except TimeoutError as e:
+            # What the API said is the only clue on a machine whose run leaves nothing behind.
+            raise TimeoutError(f"{e}\n--- api log (tail) ---\n{self.log_of('api')[-4000:]}") from e
         if workers:
             self.wait_workers(workers)
         return self
+
+    def _api_up(self) -> bool:
+        api = self.procs["api"]
+        if api.poll() is not None:
+            raise RuntimeError(f"the API exited with {api.returncode}")
+        return self.http.get("/healthz").status_code == 200
 
     def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         return self._spawn(name, ["worker", "--device", "cpu", "--name", name], env)
