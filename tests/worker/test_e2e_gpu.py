@@ -73,6 +73,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 def test_a_bf16_job_runs_on_the_pinned_gpu_and_its_weights_download(cluster: Cluster) -> None:
     (worker,) = cluster.wait_workers(1, timeout=120)
     assert worker["id"] == "gpuhost1-gpu0" and worker["gpu"] == 0
+    # Confined as on any host (worker/sandbox.py binds the GPU's device nodes in), not run
+    # unsandboxed because bubblewrap was missing.
+    assert "trainers run sandboxed" in cluster.log_of("worker-gpu0"), cluster.log_of("worker-gpu0")
     assert worker["device"].startswith("cuda") and worker["device_name"]
     job = cluster.submit(SPEC)
     done = cluster.wait_state(job["id"], "succeeded", timeout=300)

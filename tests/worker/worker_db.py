@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session
-from worker_factories import create_schema, drop_pg_databases, new_pg_database
+from worker_factories import drop_pg_databases, new_pg_database, sqlite_schema
 
 from torchyard.store.db import dispose_engines, session_factory
 
 
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path / 'ty.db'}"
-    create_schema(url)
-    yield url
+    yield sqlite_schema(tmp_path / "ty.db")
     dispose_engines()
 
 
