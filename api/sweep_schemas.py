@@ -12,7 +12,7 @@ from torchyard.contracts.states import JobState
 from torchyard.scheduler.space import MAX_PARAMS, Param
 
 SAMPLERS = ("random", "tpe", "grid")
-PRUNERS = ("none", "median", "asha")
+PRUNERS = ("none", "median", "asha", "halving")
 _TAGS = ("float", "int", "categorical")
 
 
@@ -39,7 +39,12 @@ class SweepIn(BaseModel):
     trials: int = Field(ge=1, le=1000, description="trials to run in all (a grid's size at most)")
     parallel: int = Field(default=1, ge=1, le=64, description="trials running at most at once")
     sampler: Literal["random", "tpe", "grid"] = "tpe"
-    pruner: Literal["none", "median", "asha"] = "none"
+    pruner: Literal["none", "median", "asha", "halving"] = Field(
+        default="none",
+        description="asha: Optuna's asynchronous successive halving (decides at once); "
+        "halving: synchronous successive halving (a trial waits at a rung, its worker freed, "
+        "until the decision is certain; built-in loop jobs only); median: Optuna's median",
+    )
     seed: int | None = Field(
         default=None, ge=0, le=2**63 - 1, description="the sampler's seed (default: spec.seed)"
     )
@@ -67,7 +72,11 @@ class TrialOut(BaseModel):
     params: dict[str, Any] = Field(description="dotted spec path -> the value tried")
     state: JobState = Field(description="its job's state (failed when it has no job)")
     status: str = Field(
-        description="running until decided, then complete, pruned, failed or cancelled"
+        description="running until decided (paused: waiting at a rung, pruner halving), then "
+        "complete, pruned, failed or cancelled"
+    )
+    paused_at: int | None = Field(
+        default=None, description="the evaluation (rung) a paused trial waits at; null: not paused"
     )
     value: float | None = Field(
         description="the objective's newest value: the final one once complete, the value at "

@@ -1,23 +1,25 @@
-"""The same sweeps without a pruner and with ASHA, over several sampler seeds: best value,
-worker-seconds, and the latencies of the trial path.
+"""The same sweeps without a pruner and with each pruner asked for (ASHA and synchronous
+halving), over several sampler seeds: best value, worker-seconds, and the latencies of the
+trial path.
 
     .venv/bin/python bench/sweep_bench.py [--trials 16] [--parallel 2] [--epochs 30]
-        [--seeds 0,1,2] [--sampler random] [--record curves.json]
+        [--seeds 0,1,2] [--sampler random] [--pruners asha,halving] [--record curves.json]
 
 Starts `torchyard api`, `torchyard scheduler` and --workers CPU workers (3: one more than
 --parallel, so that the slot a trial left refills its warm trainer while the next trial
 starts on a warm one) on the embedded defaults (SQLite + the filesystem broker, as
 `torchyard up`; trainers sandboxed, warm trainers on),
 then for each seed runs one --trials search of digits (lr, hidden layers, weight decay)
-with `pruner: none`, then the same search with `pruner: asha`. The random sampler gives
-both the same trials, so "the same best" is a like-for-like question; `--sampler tpe`
+with `pruner: none`, then the same search with each of --pruners. The random sampler gives
+them all the same trials, so "the same best" is a like-for-like question; `--sampler tpe`
 lets the pruned trials steer the search instead.
 
 Per sweep: the best val/accuracy of a complete trial and the worker-seconds used (the sum
-over its trials' attempts of (ended - started) x world_size). Per seed: asha/none
-worker-seconds and the best-value gap. Goals (issue 27): ASHA's best the same as the
-unpruned search's (within GOAL_BEST_WITHIN, i.e. at most one validation sample in 360) at
-<= 0.3x its worker-seconds, for every seed.
+over its trials' attempts of (ended - started) x world_size: a paused trial's hand-back
+and its restart count). Per seed and pruner: pruner/none worker-seconds and the best-value
+gap. Goals (issue 27): the pruned search's best the same as the unpruned one's (within
+GOAL_BEST_WITHIN, i.e. at most one validation sample in 360) at <= 0.3x its
+worker-seconds, for every seed.
 
 Latencies, from each trial's events file (the trainer's own clock) and the store:
 - placed -> first step: the attempt's creation (the scheduler placed it) to the trainer's
@@ -154,7 +156,7 @@ def run_sweep(c: Cluster, ty: Client, body: dict[str, Any]) -> dict[str, Any]:
 
 def report(name: str, r: dict[str, Any]) -> None:
     s, best = r["sweep"], r["sweep"]["best"] or {}
-    print(f"  {name:>4}: best {r['best']} (trial {best.get('number')})  worker-seconds "
+    print(f"  {name:>7}: best {r['best']} (trial {best.get('number')})  worker-seconds "
           f"{r['worker_s']:6.1f}  wall {r['wall_s']:5.1f} s  {s['counts']}")  # fmt: skip
     for t in s["trials"]:
         f = r["figures"].get(t["job_id"], {})
@@ -186,6 +188,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=30, help="epochs of an unpruned trial")
     p.add_argument("--seeds", default="0,1,2", help="the sampler's seeds, one pair each")
     p.add_argument("--sampler", default="random", choices=["random", "tpe"])
+    p.add_argument("--pruners", default="asha,halving", help="each compared with none")
     p.add_argument("--record", type=Path, help="write each trial's curve here (sweep_replay.py)")
     p.add_argument(
         "--workers",
@@ -196,18 +199,21 @@ def main() -> int:
     )
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    args.pruners = [x for x in args.pruners.split(",") if x]
+    if not args.pruners or not set(args.pruners) <= {"asha", "median", "halving"}:
+        p.error("--pruners: a comma-separated list of asha, median, halving")
 
     tmp = Path(tempfile.mkdtemp(prefix="ty-sweep-bench-"))
     extra = {"TORCHYARD_HEARTBEAT_INTERVAL_S": "2", "TORCHYARD_HEARTBEAT_TIMEOUT_S": "20"}
     c = Cluster(tmp, extra_env=extra)  # SQLite + filesystem broker
-    results: list[tuple[int, dict[str, Any], dict[str, Any]]] = []
+    results: list[tuple[int, dict[str, dict[str, Any]]]] = []
     try:
         c.start(workers=args.workers)
         with Client(url=c.url, token=c.token) as ty:
             for seed in seeds:
-                plain = run_sweep(c, ty, sweep_body(args, "none", seed))
-                asha = run_sweep(c, ty, sweep_body(args, "asha", seed))
-                results.append((seed, plain, asha))
+                runs = {name: run_sweep(c, ty, sweep_body(args, name, seed))
+                        for name in ["none", *args.pruners]}  # fmt: skip
+                results.append((seed, runs))
                 if args.record:
                     record(args, results)
                 print(f"seed {seed} done", file=sys.stderr, flush=True)
@@ -217,8 +223,8 @@ def main() -> int:
     return summarise(args, results)
 
 
-def record(args: argparse.Namespace, results: list[tuple[int, Any, Any]]) -> None:
-    """Each seed's trials, both sweeps: params, state, worker-seconds, epoch time, curve."""
+def record(args: argparse.Namespace, results: list[tuple[int, dict[str, Any]]]) -> None:
+    """Each seed's trials, every sweep: params, state, worker-seconds, epoch time, curve."""
 
     def trials(r: dict[str, Any]) -> list[dict[str, Any]]:
         return [
@@ -232,27 +238,30 @@ def record(args: argparse.Namespace, results: list[tuple[int, Any, Any]]) -> Non
         ]  # fmt: skip
 
     out = {"epochs": args.epochs, "trials": args.trials, "parallel": args.parallel, "seeds": {
-        str(seed): {"none": trials(plain), "asha": trials(asha)} for seed, plain, asha in results
+        str(seed): {name: trials(r) for name, r in runs.items()} for seed, runs in results
     }}  # fmt: skip
     args.record.write_text(json.dumps(out, indent=1))
 
 
-def summarise(args: argparse.Namespace, results: list[tuple[int, Any, Any]]) -> int:
+def summarise(args: argparse.Namespace, results: list[tuple[int, dict[str, Any]]]) -> int:
     print(f"backend: SQLite + filesystem broker; {args.workers} CPU workers; {args.trials} trials, "
           f"{args.parallel} at once, {args.epochs} epochs, {args.sampler} sampler")  # fmt: skip
-    met = True
-    for seed, plain, asha in results:
+    met = {name: True for name in args.pruners}
+    for seed, runs in results:
         print(f"seed {seed}:")
-        report("none", plain)
-        report("asha", asha)
-        ratio = asha["worker_s"] / plain["worker_s"]
-        gap = (plain["best"] or 0.0) - (asha["best"] or 0.0)
-        ok = ratio <= GOAL_RATIO and gap <= GOAL_BEST_WITHIN
-        met &= ok
-        print(f"  seed {seed}: asha/none worker-seconds {ratio:.3f}x (goal <= {GOAL_RATIO}); "
-              f"best gap (none - asha) {gap:+.4f} (goal <= {GOAL_BEST_WITHIN}): "
-              f"{'met' if ok else 'NOT met'}")  # fmt: skip
-    lat = latencies([r for _, a, b in results for r in (a, b)])
+        for name, r in runs.items():
+            report(name, r)
+        plain = runs["none"]
+        for name in args.pruners:
+            r = runs[name]
+            ratio = r["worker_s"] / plain["worker_s"]
+            gap = (plain["best"] or 0.0) - (r["best"] or 0.0)
+            ok = ratio <= GOAL_RATIO and gap <= GOAL_BEST_WITHIN
+            met[name] &= ok
+            print(f"  seed {seed}: {name}/none worker-seconds {ratio:.3f}x (goal <= {GOAL_RATIO}); "
+                  f"best gap (none - {name}) {gap:+.4f} (goal <= {GOAL_BEST_WITHIN}): "
+                  f"{'met' if ok else 'NOT met'}")  # fmt: skip
+    lat = latencies([r for _, runs in results for r in runs.values()])
     first = lat["first_step_s"]
     print(f"placed -> first logged step (step 5), median {_median(first)}; goal <= "
           f"{GOAL_FIRST_STEP_S} s")  # fmt: skip
@@ -263,10 +272,12 @@ def summarise(args: argparse.Namespace, results: list[tuple[int, Any, Any]]) -> 
         f"prune decided -> trainer stopped: median {_median(lat['decided_to_stopped_s'])}; "
         f"-> attempt ended: median {_median(lat['decided_to_ended_s'])}; goal <= {GOAL_STOP_S} s"
     )
-    met &= bool(first) and statistics.median(first) <= GOAL_FIRST_STEP_S
+    latency_ok = bool(first) and statistics.median(first) <= GOAL_FIRST_STEP_S
     stops = lat["decided_to_stopped_s"]
-    met &= bool(stops) and max(stops) <= GOAL_STOP_S
-    print("goals " + ("met" if met else "NOT met"))
+    latency_ok &= bool(stops) and max(stops) <= GOAL_STOP_S
+    for name, ok in met.items():
+        print(f"{name}: worker-seconds and best goals {'met' if ok else 'NOT met'} on every seed")
+    print("latency goals " + ("met" if latency_ok else "NOT met"))
     return 0
 
 

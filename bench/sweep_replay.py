@@ -15,7 +15,9 @@ and asks a rule at each rung:
 - `sync`: synchronous successive halving on the same rungs and reduction: every trial stops
   at a rung until all that will reach it have, and the best max(1, n // reduction) of them
   go on (ties too), each paying --resume-s for a restart from its rung's checkpoint (a cold
-  trainer start), with its slot free while it waits.
+  trainer start), with its slot free while it waits. `pruner: halving` is this rule, except
+  that it lets a trial go on (or prunes it) without a pause when the decision is already
+  certain: this model pauses every trial, so it over-counts halving's restarts.
 
 Per seed: each rule's worker-seconds over the unpruned sweep's, its best complete trial's
 final value and the gap to the unpruned best in validation samples (--val-samples), and the

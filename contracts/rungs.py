@@ -23,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 PLAN_FILE = "rungs.json"
 MAX_RUNGS = 64
+# How the attempt of a trial paused at a rung (synchronous halving) ends: handed back, its
+# reason starting with this (the store tells such hand-backs from a failing host's).
+PAUSED_AT = "paused at step "
 
 
 class RungPlan(BaseModel):
@@ -42,13 +45,16 @@ class RungPlan(BaseModel):
 
 
 class RungVerdict(BaseModel):
-    """The pruner's answer at one rung; `reason` says why a trial was pruned."""
+    """The pruner's answer at one rung; `reason` says why a trial was pruned (or paused).
+    `pause` (synchronous halving) is the worker's alone, never written for the trainer: the
+    worker stops the waiting trainer as for a preemption, so it checkpoints at the rung."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     index: int
     prune: bool
     reason: str = ""
+    pause: bool = False
 
 
 def verdict_file(index: int) -> str:

@@ -15,7 +15,13 @@ quotas and preemption treat it like any other. Per sweep, under its row lock:
    Pruning is not decided here: a trial waits at each rung for its worker, which asks the
    pruner as the objective arrives (store/pruning.py) and records a pruned trial itself,
    so a trial is never pruned after it finished, nor trained past the rung it failed.
-2. launch (a second transaction): while fewer than `parallel` trial jobs are live, fewer than
+   The one exception is synchronous halving's paused trials (their job handed back and
+   held in the queue): each pass decides them again with the same rule, as the other
+   trials reach their rung, and releases one (its hold cleared: it resumes from the
+   rung's checkpoint) or prunes it (its job cancelled, `pruned at step N: …`).
+2. launch (a second transaction): while fewer than `parallel` trial jobs are live (a
+   paused trial's is not: it holds no worker, and counting it could leave every slot to
+   trials that wait for the ones never started), fewer than
    `max_trials` trials were asked for, and the max_queued quotas (the owner's, the sweep's
    project's) leave room: ask Optuna, set the values into a copy of the base spec, and
    submit it as the owner through the one submit path every job takes (scheduler/submit.py:
@@ -53,10 +59,18 @@ from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import request_cancel
 from torchyard.store.models import Job, Sweep, SweepTrial
-from torchyard.store.pruning import make_pruner
+from torchyard.store.pruning import (
+    GO,
+    PAUSE,
+    halving_verdict,
+    halving_why,
+    make_pruner,
+    rung_field,
+)
 from torchyard.store.states import (
     CANCELLED,
     FAILED,
+    QUEUED,
     RUNNING,
     SUCCEEDED,
     TERMINAL,
@@ -204,6 +218,12 @@ class SweepController:
                 if trial.outcome is None and job is not None:
                     tell = self._follow(s, sweep, study, trial, job, running.get(trial.number))
                     tells += [tell] if tell is not None else []
+            paused = [(t, j) for t, j in rows if j is not None and is_paused(t, j)]
+            if paused:
+                trials = study.get_trials(deepcopy=False)
+                for trial, job in paused:
+                    tell = decide_paused(s, sweep, trials, trial, job)
+                    tells += [tell] if tell is not None else []
             return tells
 
     def _follow(
@@ -233,7 +253,11 @@ class SweepController:
             if sweep is None or sweep.state != RUNNING:
                 return 0, []
             rows = trials_with_jobs(s, sweep.id)
-            live = sum(1 for _, j in rows if j is not None and j.state not in TERMINAL)
+            live = sum(
+                1
+                for t, j in rows
+                if j is not None and j.state not in TERMINAL and not is_paused(t, j)
+            )
             asked, started, tells = len(rows), 0, []
             while live < sweep.parallel and asked < sweep.max_trials:
                 # The submit's own quota rule, asked first: a full queue holds the next trial
@@ -289,6 +313,54 @@ def follow(session: Session, metric: str, trial: SweepTrial, job: Job) -> None:
     points = new_points(session, job.id, metric, trial.last_step)
     if points:
         trial.last_step, trial.value = points[-1]
+
+
+def is_paused(trial: SweepTrial, job: Job | None) -> bool:
+    """A trial paused at a rung whose job was handed back: held in the queue, on no worker
+    (one still stopping holds its worker and counts as live)."""
+    return (
+        trial.outcome is None
+        and trial.paused_rung is not None
+        and job is not None
+        and job.state == QUEUED
+    )
+
+
+def decide_paused(
+    session: Session, sweep: Sweep, trials: list[FrozenTrial], trial: SweepTrial, job: Job
+) -> Tell | None:
+    """A paused trial decided again (store/pruning.py `halving_verdict`) from what the other
+    trials have reported since: released, pruned (told after the commit), or left paused."""
+    rung = trial.paused_rung
+    assert rung is not None
+    frozen = next((t for t in trials if t.number == trial.number), None)
+    value = None if frozen is None else frozen.intermediate_values.get(rung)
+    if value is None:  # its report is gone (never happens): let it run and report again
+        release(trial, job, rung, "its value at the rung was not found")
+        return None
+    others, could_reach = rung_field(trials, trial.number, rung, sweep.max_trials)
+    verdict = halving_verdict(value, others, could_reach, sweep.mode == "max")
+    if verdict == PAUSE:
+        return None
+    if verdict == GO:
+        release(trial, job, rung, "in the best third of the trials that reach it")
+        return None
+    why = halving_why(sweep.metric, value, rung)
+    end_trial(trial, PRUNED, value=value if math.isfinite(value) else None)
+    trial.paused_rung = None
+    _cancel(session, job, f"pruned at step {trial.last_step or 0}: {why}")
+    log.info("sweep %s: trial %d pruned at evaluation %d while paused", sweep.id, trial.number,
+             rung)  # fmt: skip
+    return Tell(trial.number, PRUNED)
+
+
+def release(trial: SweepTrial, job: Job, rung: int, why: str) -> None:
+    """A paused trial goes on: its job's hold cleared (a pass places it; it resumes from
+    the checkpoint written at the rung)."""
+    trial.paused_rung = None
+    job.hold_until = None
+    job.pending_reason = f"released at evaluation {rung} ({why}): resumes from its checkpoint"
+    log.info("sweep %s: trial %d released at evaluation %d", trial.sweep_id, trial.number, rung)
 
 
 def settle(sweep_id: str, rows: list[SweepTrial], running: dict[int, Any]) -> list[Tell]:

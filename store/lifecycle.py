@@ -10,6 +10,10 @@ holds the decisions that call it for a running job:
   stale token, and its writes are refused with `Fenced`, so a trainer that ran on
   after its attempt was given up can never change the record.
 
+A sweep trial paused at a rung (`pruner: halving`, store/pruning.py) is handed back held:
+queued with `hold_until` at PAUSED_HOLD, until the sweep's controller releases it (clears
+the hold) or prunes it (cancels it). Such hand-backs are not failures of a host.
+
 A job handed back again and again (not for a preemption) backs off: past HANDBACK_FREE
 hand-backs in a row it is queued with `hold_until` (HANDBACK_FIRST_S, doubling, at most
 HANDBACK_MAX_S), which a scheduling pass waits for (store/queue.py), and its pending
@@ -29,9 +33,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from torchyard.contracts.rungs import PAUSED_AT
 from torchyard.store.dialect import db_now, is_postgres
 from torchyard.store.jobs import bump_version_of_attempt
-from torchyard.store.models import Assignment, Attempt, Job, utcnow
+from torchyard.store.models import PAUSED_HOLD, Assignment, Attempt, Job, SweepTrial, utcnow
 from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
@@ -191,6 +196,13 @@ def _move_job(
     elif outcome == A_HANDED_BACK and attempt.preempted_by is not None:
         pending = f"preempted by job {attempt.preempted_by}; resumes from its checkpoint"
         _requeue(session, job, why, pending)
+    elif outcome == A_HANDED_BACK and (rung := paused_rung(session, job.id)) is not None:
+        pending = (
+            f"paused at evaluation {rung} of its sweep (synchronous halving): waits until "
+            "the trials still running reach this rung, then goes on from its checkpoint or "
+            "is pruned"
+        )
+        _requeue(session, job, why, pending, hold_until=PAUSED_HOLD)
     elif outcome == A_HANDED_BACK:
         n, delay = handback_delay_s(session, job.id)
         if delay <= 0:
@@ -218,19 +230,29 @@ def handback_delay_s(session: Session, job_id: str) -> tuple[int, float]:
     """(the job's latest attempts handed back in a row, not for a preemption; how long it
     waits before it may start again: 0 for the first HANDBACK_FREE, then doubling)."""
     rows = session.execute(
-        select(Attempt.state, Attempt.preempted_by)
+        select(Attempt.state, Attempt.preempted_by, Attempt.reason)
         .where(Attempt.job_id == job_id)
         .order_by(Attempt.number.desc())
         .limit(HANDBACK_FREE + 16)
     ).all()
     n = 0
-    for state, preempted_by in rows:
+    for state, preempted_by, reason in rows:
         if state != A_HANDED_BACK or preempted_by is not None:
             break
+        if (reason or "").startswith(PAUSED_AT):
+            break  # a sweep's pause, not a failing host
         n += 1
     if n <= HANDBACK_FREE:
         return n, 0.0
     return n, min(HANDBACK_FIRST_S * 2 ** (n - HANDBACK_FREE - 1), HANDBACK_MAX_S)
+
+
+def paused_rung(session: Session, job_id: str) -> int | None:
+    """The rung a sweep trial's job is paused at, or None (not a paused trial)."""
+    q = select(SweepTrial.paused_rung).where(
+        SweepTrial.job_id == job_id, SweepTrial.outcome.is_(None)
+    )
+    return session.scalar(q)
 
 
 def _requeue(

@@ -36,6 +36,11 @@ from sqlalchemy.types import TypeDecorator
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
+# jobs.hold_until of a sweep trial paused at a rung (pruner halving): held until the sweep's
+# controller releases it (store/lifecycle.py, scheduler/sweeps.py).
+PAUSED_HOLD = datetime(9999, 1, 1, tzinfo=UTC)
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -218,7 +223,8 @@ class Job(Base):
     # column rebuilds no table on SQLite.
     sweep_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # A job handed back again and again waits until then before a pass may start it
-    # (store/lifecycle.py: hand-back backoff; migration 0012). None: no wait.
+    # (store/lifecycle.py: hand-back backoff; migration 0012). None: no wait. PAUSED_HOLD:
+    # a sweep trial paused at a rung, until its controller releases it.
     hold_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     # The project the job belongs to (store/projects.py). Nullable and without a foreign
     # key so that migration 0016 adds it without rebuilding `jobs` on SQLite; every job
@@ -459,7 +465,7 @@ class Sweep(Base):
     max_trials: Mapped[int] = mapped_column(Integer)
     parallel: Mapped[int] = mapped_column(Integer)
     sampler: Mapped[str] = mapped_column(String(16))  # random, tpe, grid
-    pruner: Mapped[str] = mapped_column(String(16))  # none, median, asha
+    pruner: Mapped[str] = mapped_column(String(16))  # none, median, asha, halving
     seed: Mapped[int] = mapped_column(BigInteger)
     # running, succeeded, failed, cancelled
     state: Mapped[str] = mapped_column(String(16), default="running")
@@ -494,6 +500,9 @@ class SweepTrial(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # `pruner: halving`: the evaluation (rung) the trial waits at, its job held in the queue
+    # until the controller releases or prunes it (None: not paused).
+    paused_rung: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (UniqueConstraint("sweep_id", "number", name="uq_sweep_trials_sweep_number"),)
 

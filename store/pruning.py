@@ -13,6 +13,17 @@ The pruners count evaluations, not steps (contracts/rungs.py): `asha` is Optuna'
 SuccessiveHalvingPruner with rungs at evaluations 1, 3, 9, 27, … (`rung_plan` lists the
 same), the best third of the trials at a rung going on; `median` is Optuna's MedianPruner,
 which may decide at every evaluation.
+
+`halving` is synchronous successive halving on the same rungs, decided here and never by
+Optuna's pruner (the study's is a NopPruner): of the n trials that reach a rung, the best
+max(1, n // 3) go on. A decision is made only when it is certain (`halving_verdict`): a
+trial is pruned once that many already did better, goes on once fewer could still beat
+it; otherwise it is paused. Its worker then stops the trainer as for a preemption (it
+checkpoints at the rung) and hands the job back, held in the queue
+(store/lifecycle.py), with its trial's `paused_rung` set; the sweep's controller
+re-decides paused trials each pass (scheduler/sweeps.py) and releases or prunes them.
+ASHA decides at once from the trials seen so far, so a trial that is best early runs on
+whatever comes later; halving waits, at the cost of a restart from the rung's checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -29,19 +40,23 @@ from torchyard.contracts.rungs import MAX_RUNGS, RungPlan, RungVerdict
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import request_cancel
 from torchyard.store.models import Job, Metric, Sweep, SweepTrial
-from torchyard.store.states import TERMINAL
+from torchyard.store.states import CANCELLING, TERMINAL
 from torchyard.store.sweeps import PRUNED, end_trial, lock_sweep, optuna_storage
 
 if TYPE_CHECKING:
     from optuna import Study
     from optuna.pruners import BasePruner
     from optuna.storages import RDBStorage
+    from optuna.trial import FrozenTrial
 
 log = logging.getLogger(__name__)
 
 ASHA_MIN_RESOURCE = 1  # the first rung: the first evaluation
 ASHA_REDUCTION = 3  # a third of the trials at a rung go on to the next
 MEDIAN_STARTUP_TRIALS = 5  # MedianPruner's default: no pruning before 5 complete trials
+HALVING = "halving"
+RUNG_PRUNERS = ("asha", HALVING)  # pruners that stop at rungs 1, 3, 9, 27, …
+GO, PRUNE, PAUSE = "go", "prune", "pause"  # halving's verdicts
 
 
 def make_pruner(name: str) -> BasePruner:
@@ -59,7 +74,7 @@ def make_pruner(name: str) -> BasePruner:
 
 def rung_plan(pruner: str, metric: str, offset: int = 0) -> RungPlan | None:
     """Where a trial of a sweep with `pruner` waits (None: never)."""
-    if pruner == "asha":
+    if pruner in RUNG_PRUNERS:
         rungs = [ASHA_MIN_RESOURCE * ASHA_REDUCTION**k for k in range(MAX_RUNGS)]
         return RungPlan(metric=metric, rungs=[r for r in rungs if r < 2**31], offset=offset)
     if pruner == "median":
@@ -73,8 +88,62 @@ def objective_points(session: Session, job_id: str, metric: str) -> int:
     return int(session.scalar(q) or 0)
 
 
+def halving_verdict(mine: float, others: list[float], could_reach: int, maximize: bool) -> str:
+    """Synchronous halving's verdict on a trial at a rung, given the values of the other
+    trials that reported there and how many more may still reach it: of all n of them the
+    best keep = max(1, n // 3) go on. PRUNE once `keep` others did better, GO once fewer
+    than `keep` could still beat it (those that did and every one yet to come), else PAUSE.
+    Each verdict holds whatever the rest report: a trial that fails before the rung only
+    makes n, and keep with it, smaller. A value not finite is the worst; ties go on."""
+    keep = max(1, (len(others) + 1 + could_reach) // ASHA_REDUCTION)
+    sign = 1.0 if maximize else -1.0
+
+    def score(v: float) -> float:
+        return sign * v if math.isfinite(v) else -math.inf
+
+    me = score(mine)
+    better = sum(1 for v in others if score(v) > me)
+    if better >= keep:
+        return PRUNE
+    if better + could_reach < keep:
+        return GO
+    return PAUSE
+
+
+def rung_field(
+    trials: list[FrozenTrial], number: int, index: int, max_trials: int
+) -> tuple[list[float], int]:
+    """For trial `number` at rung `index`: the values the other trials reported there, and
+    how many may still reach it (trials running below it, paused ones among them, and the
+    trials the sweep has yet to ask for)."""
+    from optuna.trial import TrialState
+
+    others: list[float] = []
+    could_reach = max(0, max_trials - len(trials))
+    for t in trials:
+        if t.number == number:
+            continue
+        v = t.intermediate_values.get(index)
+        if v is not None:
+            others.append(float(v))
+        elif t.state == TrialState.RUNNING:
+            could_reach += 1
+    return others, could_reach
+
+
+def halving_why(metric: str, value: float, index: int) -> str:
+    """Why synchronous halving pruned a trial."""
+    shown = f"{value:.4g}" if math.isfinite(value) else "not finite"
+    return (
+        f"{metric} {shown} at evaluation {index} is not in the best third of the trials "
+        f"that reach this rung (synchronous halving)"
+    )
+
+
 def _why(pruner: str, metric: str, value: float, index: int) -> str:
     shown = f"{value:.4g}" if math.isfinite(value) else "not finite"
+    if pruner == HALVING:
+        return halving_why(metric, value, index)
     if pruner == "asha":
         return (
             f"{metric} {shown} at evaluation {index} is not in the best third of the "
@@ -139,6 +208,8 @@ class Pruning:
                     SweepTrial.outcome,
                     Sweep.pruner,
                     Sweep.metric,
+                    Sweep.mode,
+                    Sweep.max_trials,
                 )
                 .join(Sweep, Sweep.id == SweepTrial.sweep_id)
                 .where(SweepTrial.job_id == job_id)
@@ -146,6 +217,8 @@ class Pruning:
         if row is None or row.outcome is not None:  # decided already (a retried verdict)
             return RungVerdict(index=index, prune=row is not None and row.outcome == PRUNED)
         v = float("nan") if value is None else float(value)
+        if row.pruner == HALVING:
+            return self._halving(row, job_id, index, v, step)
         if not self._should_prune(row.sweep_id, row.pruner, row.number, index, v):
             return RungVerdict(index=index, prune=False)
         why = _why(row.pruner, row.metric, v, index)
@@ -154,19 +227,67 @@ class Pruning:
         self._tell_pruned(row.sweep_id, row.pruner, row.number)
         return RungVerdict(index=index, prune=True, reason=why)
 
-    def _should_prune(self, sweep_id: str, pruner: str, number: int, index: int, v: float) -> bool:
+    def _halving(self, row: Any, job_id: str, index: int, v: float, step: int) -> RungVerdict:
+        """Synchronous halving at a rung: go on, pruned (recorded as for any pruner), or
+        paused (recorded: the worker stops the trainer and the job is held)."""
+        go = RungVerdict(index=index, prune=False)
+        study = self.study(row.sweep_id, row.pruner)
+        if self._report(study, row.number, index, v) is None:
+            return go
+        others, could_reach = rung_field(
+            study.get_trials(deepcopy=False), row.number, index, row.max_trials
+        )
+        verdict = halving_verdict(v, others, could_reach, row.mode == "max")
+        if verdict == GO:
+            return go
+        if verdict == PRUNE:
+            why = _why(row.pruner, row.metric, v, index)
+            if not self._record(row.sweep_id, job_id, v, step, why):
+                return go  # the trial ended otherwise first
+            self._tell_pruned(row.sweep_id, row.pruner, row.number)
+            return RungVerdict(index=index, prune=True, reason=why)
+        if not self._pause(row.sweep_id, job_id, index):
+            return go  # ended or cancelled meanwhile: its own stop follows
+        shown = f"{v:.4g}" if math.isfinite(v) else "not finite"
+        why = (
+            f"{row.metric} {shown} at evaluation {index}: paused until the trials still "
+            f"running reach this rung (synchronous halving)"
+        )
+        return RungVerdict(index=index, prune=False, pause=True, reason=why)
+
+    def _report(self, study: Study, number: int, index: int, v: float) -> Any:
+        """Report `v` at `index` for trial `number`: its optuna.Trial, or None when Optuna's
+        trial has ended (a cancel's outcome told)."""
         import optuna
 
-        study = self.study(sweep_id, pruner)
         storage = self.storage()
         trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
         trial = optuna.Trial(study, trial_id)
         try:
             trial.report(v, index)
-        except RuntimeError as e:  # Optuna's trial has ended (a cancel's outcome told)
-            log.info("sweep %s trial %d: not reported at %d (%s)", sweep_id, number, index, e)
-            return False
-        return bool(trial.should_prune())
+        except RuntimeError as e:
+            log.info("sweep %s trial %d: not reported at %d (%s)", study.study_name, number,
+                     index, e)  # fmt: skip
+            return None
+        return trial
+
+    def _should_prune(self, sweep_id: str, pruner: str, number: int, index: int, v: float) -> bool:
+        trial = self._report(self.study(sweep_id, pruner), number, index, v)
+        return trial is not None and bool(trial.should_prune())
+
+    def _pause(self, sweep_id: str, job_id: str, index: int) -> bool:
+        """The trial paused at `index`, under the sweep's lock; False when it has an
+        outcome or its job is ending (a cancel: its own stop follows)."""
+        with session_scope(self.db_url) as s:
+            lock_sweep(s, sweep_id)
+            trial = s.scalars(select(SweepTrial).where(SweepTrial.job_id == job_id)).first()
+            job = s.get(Job, job_id)
+            if trial is None or trial.outcome is not None or job is None:
+                return False
+            if job.state in TERMINAL or job.state == CANCELLING:
+                return False
+            trial.paused_rung = index
+        return True
 
     def _record(self, sweep_id: str, job_id: str, v: float, step: int, why: str) -> bool:
         """The trial pruned and its job cancelled, in one transaction under the sweep's

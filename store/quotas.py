@@ -39,11 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
 from torchyard.store.dialect import is_postgres
-from torchyard.store.models import Job, Project, User
+from torchyard.store.models import PAUSED_HOLD, Job, Project, User
 from torchyard.store.states import QUEUED
 
 QUOTA_FIELDS = ("max_workers", "max_queued", "share", "max_priority")
@@ -175,5 +175,9 @@ def over_max_queued(
 
 
 def _queued(session: Session, whose: ColumnElement[bool]) -> int:
+    """Queued jobs, a sweep's paused trials left out: they were admitted with their sweep,
+    and counting them could hold back the trials they wait for."""
+    paused = Job.hold_until >= PAUSED_HOLD
     q = select(func.count()).select_from(Job).where(whose, Job.state == QUEUED)
+    q = q.where(or_(Job.hold_until.is_(None), ~paused))
     return int(session.scalar(q) or 0)

@@ -28,7 +28,7 @@ from torchyard.store.jobs import MAX_PAGE, Viewer, decode_cursor, encode_cursor,
 from torchyard.store.metrics import query_series
 from torchyard.store.models import Job, Sweep, SweepTrial, User, utcnow
 from torchyard.store.projects import ensure_personal, project_names, visible_projects
-from torchyard.store.states import CANCELLED, FAILED, RUNNING, SUCCEEDED, TERMINAL
+from torchyard.store.states import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL
 from torchyard.store.webhooks import enqueue_sweep_event
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ SWEEP_STATES = (RUNNING, SUCCEEDED, FAILED, CANCELLED)
 # A trial's outcome, once decided (None while it runs): what Optuna is told (a cancelled
 # trial is told FAIL: Optuna has no cancelled state).
 COMPLETE, PRUNED, FAIL, CANCELLED_TRIAL = "complete", "pruned", "failed", "cancelled"
+PAUSED = "paused"  # a status, not an outcome: undecided, waiting at a rung (pruner halving)
 OPTUNA_SCHEMA = "torchyard_optuna"
 
 
@@ -151,7 +152,9 @@ def summary(
         "pruner": sweep.pruner,
         "seed": sweep.seed,
         "error": sweep.error,
-        "counts": {k: counts.get(k, 0) for k in (RUNNING, COMPLETE, PRUNED, FAIL, CANCELLED_TRIAL)},
+        "counts": {
+            k: counts.get(k, 0) for k in (RUNNING, PAUSED, COMPLETE, PRUNED, FAIL, CANCELLED_TRIAL)
+        },
         "best": best_trial(trials, sweep.mode),
         "created_at": sweep.created_at,
         "updated_at": sweep.updated_at,
@@ -186,13 +189,15 @@ def _trials_of(session: Session, sweep_ids: list[str]) -> dict[str, list[dict[st
     ).all()
     out: dict[str, list[dict[str, Any]]] = {}
     for t, job_state in rows:
+        paused = t.outcome is None and t.paused_rung is not None and job_state == QUEUED
         out.setdefault(t.sweep_id, []).append(
             {
                 "number": t.number,
                 "job_id": t.job_id,
                 "params": t.params,
                 "state": job_state or FAILED,
-                "status": t.outcome or RUNNING,
+                "status": t.outcome or (PAUSED if paused else RUNNING),
+                "paused_at": t.paused_rung if paused else None,
                 "value": _finite(t.value),
                 "step": t.last_step,
                 "pruned": t.outcome == PRUNED,

@@ -8,6 +8,8 @@ Rules, first match wins:
   as `run_dir_full`, not retried: the job's own doing, whether or not it finished;
 - rank 0's `finished` (or exit 0) -> succeeded, even if the worker was stopping by then;
 - preempted for a higher-priority job (the supervisor stopped it) -> handed back;
+- a sweep trial paused at a rung (synchronous halving: the supervisor stopped it) ->
+  handed back, its reason `paused at step N: …` (the store holds it for the controller);
 - the worker stopping, or stopping its trainer after losing the store -> handed back;
 - the job's storage full (exit 5, or an `error` of kind storage_full) -> handed back, but
   only when the worker's own look (worker/runlimits.py) found the file system full: user
@@ -36,6 +38,7 @@ from typing import Any, NamedTuple
 
 from torchyard.contracts import exitcodes
 from torchyard.contracts.eventmodel import HOST_FAULT_KINDS
+from torchyard.contracts.rungs import PAUSED_AT
 from torchyard.store.states import (
     A_CANCELLED,
     A_FAILED,
@@ -54,6 +57,7 @@ DETERMINISTIC_ERRORS = frozenset(
 STOP_CANCEL, STOP_WORKER, STOP_STORE_LOST = "cancel", "stopping", "store_lost"
 STOP_PREEMPT = "preempted"
 STOP_PRUNED = "pruned"  # the sweep's pruner pruned the trial at a rung (store/pruning.py)
+STOP_PAUSED = "paused"  # synchronous halving paused the trial at a rung (store/pruning.py)
 
 
 class Decision(NamedTuple):
@@ -86,7 +90,7 @@ class Ending:
     # The worker's own record that the trainer's lease went stale while it ran (so a stop
     # it did not ask for was the lease's doing, not the job's).
     lease_lapsed: bool = False
-    prune_reason: str | None = None  # why the pruner stopped it (stop_why STOP_PRUNED)
+    prune_reason: str | None = None  # why the pruner stopped it (STOP_PRUNED, STOP_PAUSED)
 
     def claims_storage_full(self) -> bool:
         """The trainer says the host's storage is full: exit 5 or a `storage_full` error."""
@@ -130,6 +134,9 @@ def _handed_back(e: Ending, step: str) -> Decision | None:
     if e.stop_why == STOP_PREEMPT:
         # Handed back, not failed: it resumes from its checkpoint when workers are free.
         return Decision(A_HANDED_BACK, f"preempted by {e.preempted_by}{step}", None, False)
+    if e.stop_why == STOP_PAUSED:
+        why = e.prune_reason or f"{PAUSED_AT.strip()} {e.last_step}: at a rung"
+        return Decision(A_HANDED_BACK, why, None, False)
     if e.stop_why == STOP_WORKER:
         why = f"worker {e.worker_id} stopping; trainer {describe_exit(e.rc)}{step}"
         return Decision(A_HANDED_BACK, why, None, False)

@@ -49,7 +49,7 @@ class Rungs:
     def answer(self, pending: list[RungEvent]) -> Answered | None:
         """Answer the rungs the trainer reported, in order, removing each answered one from
         `pending`; a store error leaves it there for a later call. Returns the verdict that
-        pruned the trial, if one did (nothing after it is answered)."""
+        pruned or paused the trial, if one did (nothing after it is answered)."""
         while pending and time.monotonic() >= self.retry_at:
             ev = pending[0]
             index = ev.index
@@ -64,6 +64,9 @@ class Rungs:
             self.failing = False
             pending.pop(0)
             self.answered.add(index)
+            if verdict.pause:  # never the trainer's: its supervisor stops it (checkpointed)
+                pending.clear()
+                return Answered(verdict, ev.step or 0)
             self._write(verdict)
             if verdict.prune:
                 pending.clear()

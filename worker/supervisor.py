@@ -38,6 +38,7 @@ import tenacity
 from sqlalchemy import exc
 
 from torchyard.contracts.eventfiles import rank_events_file
+from torchyard.contracts.rungs import PAUSED_AT
 from torchyard.settings import Settings
 from torchyard.storage import Storage, run_dir, storage_for
 from torchyard.storage.base import ChecksumMismatch
@@ -90,6 +91,7 @@ from torchyard.worker.launcher import (
 from torchyard.worker.metrics import WorkerMetrics
 from torchyard.worker.outcome import (
     STOP_CANCEL,
+    STOP_PAUSED,
     STOP_PREEMPT,
     STOP_PRUNED,
     STOP_STORE_LOST,
@@ -868,6 +870,13 @@ class Supervision:
         done = self.rungs.answer(pending)
         if done is None:
             return None
+        if done.verdict.pause:
+            # As for a preemption: the waiting trainer checkpoints at the rung on SIGTERM and
+            # the job is handed back, held until the sweep's controller decides.
+            self.stop_why = STOP_PAUSED
+            self.prune_reason = f"{PAUSED_AT}{done.step}: {done.verdict.reason}"
+            grace = self.ctx.settings.cancel_grace_s
+            return self._stop(self.prune_reason, signal.SIGTERM, grace)
         self.stop_why = STOP_PRUNED
         self.prune_reason = f"pruned at step {done.step}: {done.verdict.reason}"
         log.info("job %s: %s", self.c.job_id, self.prune_reason)

@@ -123,6 +123,11 @@ def _space_problems(s: SweepIn) -> Problems:
 def _objective_problems(s: SweepIn, spec: job_spec.JobSpec) -> Problems:
     if spec.entrypoint is None and s.objective.metric not in LOOP_METRICS:
         return [("objective.metric", f"torchyard's loop records only {', '.join(LOOP_METRICS)}")]
+    if spec.entrypoint is not None and s.pruner == "halving":
+        # A paused trial resumes from the checkpoint torchyard's loop writes at the rung; a
+        # script's state is its own, so it would start over from its last checkpoint.
+        return [("pruner", "halving pauses trials at rungs and resumes them from torchyard's "
+                 "checkpoint: a script job cannot be paused; use asha or median")]  # fmt: skip
     return []
 
 

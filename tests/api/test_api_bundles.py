@@ -406,3 +406,23 @@ def test_imagefolder_data_is_looked_for_on_disk(
     for split in ("train", "val"):
         (settings.data / "pets" / split).mkdir(parents=True)
     assert client.post("/v1/jobs", json=spec, headers=alice).status_code == 201
+
+
+def test_a_script_sweep_cannot_be_paused_by_synchronous_halving(
+    client: TestClient, alice: Headers, bundle: bytes
+) -> None:
+    """`pruner: halving` resumes a paused trial from torchyard's own checkpoint at the rung;
+    a script keeps its own state, so such a sweep is refused, naming the pruner."""
+    bid = _upload(client, alice, bundle).json()["id"]
+    sweep = {
+        "spec": _script_spec(bid),
+        "space": {"entrypoint.args": {"type": "categorical", "choices": [["--a"], ["--b"]]}},
+        "objective": {"metric": "val/score", "mode": "max"},
+        "trials": 2,
+        "pruner": "halving",
+    }
+    err = _error(client.post("/v1/sweeps", json=sweep, headers=alice), 422, "validation_error")
+    (detail,) = err["details"]
+    assert detail["field"] == "pruner" and "use asha or median" in detail["message"]
+    r = client.post("/v1/sweeps", json=sweep | {"pruner": "asha"}, headers=alice)
+    assert r.status_code == 201, r.text

@@ -23,9 +23,10 @@ from torchyard.settings import Settings
 from torchyard.store import migrate
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import Viewer
+from torchyard.store.lifecycle import finish_attempt, handback_delay_s
 from torchyard.store.metrics import ingest_metrics
-from torchyard.store.models import Base, Job, JobEvent, Sweep, SweepTrial, User
-from torchyard.store.pruning import Pruning, rung_plan
+from torchyard.store.models import PAUSED_HOLD, Base, Job, JobEvent, Sweep, SweepTrial, User
+from torchyard.store.pruning import GO, PAUSE, PRUNE, Pruning, halving_verdict, rung_plan
 from torchyard.store.sweeps import (
     NewSweep,
     cancel_sweep,
@@ -166,9 +167,141 @@ def test_asha_prunes_at_the_rung_and_the_best_complete_trial_wins(
         "number": 1, "job_id": t1["job_id"], "params": {"optimizer.lr": t1["params"]["optimizer.lr"]},
         "value": 0.95,
     }  # fmt: skip
-    assert view["counts"] == {"running": 0, "complete": 2, "pruned": 1, "failed": 0,
-                              "cancelled": 0}  # fmt: skip
+    assert view["counts"] == {"running": 0, "paused": 0, "complete": 2, "pruned": 1,
+                              "failed": 0, "cancelled": 0}  # fmt: skip
     assert view["trials"][2]["status"] == "pruned"  # its job's cancel did not change that
+
+
+def hand_back(db_url: str, factory: Factory, job_id: str, reason: str) -> None:
+    """The worker's part when it stopped a paused trial (worker/outcome.py STOP_PAUSED)."""
+    with session_scope(db_url) as s:
+        number = s.scalar(select(Job.attempt).where(Job.id == job_id))
+    aid = factory.attempt(job_id, number=number)
+    with session_scope(db_url) as s:
+        assert finish_attempt(s, aid, "handed_back", reason=reason) == "queued"
+
+
+def job_row(db_url: str, job_id: str) -> Job:
+    with session_scope(db_url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+@pytest.mark.parametrize(
+    ("mine", "others", "could_reach", "maximize", "verdict"),
+    [
+        (0.5, [], 2, True, PAUSE),  # 3 will reach the rung, 1 goes on: anyone may beat it
+        (0.9, [0.5], 1, True, PAUSE),
+        (0.1, [0.5, 0.9], 0, True, PRUNE),
+        (0.9, [0.5, 0.1], 0, True, GO),
+        (0.9, [0.5, 0.1, 0.2, 0.3], 2, True, PAUSE),  # keep 2: one better would be enough
+        (0.9, [0.5, 0.1, 0.2, 0.3, 0.4], 1, True, GO),  # keep 2, at most one can beat it
+        (0.1, [0.5, 0.9, 0.05], 5, True, PAUSE),  # keep 3 of 9: two better, five may come
+        (0.1, [0.5, 0.9, 0.8], 2, True, PRUNE),  # keep 2 of 6: three did better already
+        (0.2, [0.5, 0.9], 0, False, GO),  # minimise: the lowest goes on
+        (float("nan"), [0.1], 0, True, PRUNE),  # not finite: the worst
+        (0.5, [0.5, 0.5], 0, True, GO),  # ties go on together
+        (0.5, [], 0, True, GO),  # alone at the rung
+    ],
+)
+def test_halving_decides_only_what_the_rest_cannot_change(
+    mine: float, others: list[float], could_reach: int, maximize: bool, verdict: str
+) -> None:
+    assert halving_verdict(mine, others, could_reach, maximize) == verdict
+
+
+def test_halving_pauses_a_trial_holds_its_job_and_the_controller_settles_it(
+    factory: Factory, ctl: SweepController, db_url: str
+) -> None:
+    """Synchronous halving: a trial whose verdict the trials to come could change is paused
+    (its job handed back and held: no worker, not counted against `parallel`), and each
+    controller pass decides it again, releasing the best third and pruning the rest."""
+    pruning = Pruning(db_url)
+    sid = new_sweep(factory, pruner="halving", max_trials=3, parallel=2)
+    assert ctl.run_pass() == 2
+    t0, t1 = trials(db_url, sid)
+    run_job(factory, t0["job_id"], {10: 0.5}, None)
+    v = pruning.decide(t0["job_id"], 1, 0.5, 10)
+    assert v.pause and not v.prune and "paused until the trials still running" in v.reason
+    hand_back(db_url, factory, t0["job_id"], f"paused at step 10: {v.reason}")
+    job0 = job_row(db_url, t0["job_id"])
+    assert job0.state == "queued" and job0.hold_until == PAUSED_HOLD
+    assert "paused at evaluation 1" in (job0.pending_reason or "")
+    with session_scope(db_url) as s:  # a sweep's pause is not a host that fails the job
+        assert handback_delay_s(s, t0["job_id"]) == (0, 0.0)
+    assert (trials(db_url, sid)[0]["status"], trials(db_url, sid)[0]["paused_at"]) == ("paused", 1)
+
+    assert ctl.run_pass() == 1  # still paused; it holds no slot, so trial 2 starts
+    t0, t1, t2 = trials(db_url, sid)
+    assert t0["status"] == "paused" and job_row(db_url, t0["job_id"]).hold_until == PAUSED_HOLD
+    run_job(factory, t1["job_id"], {10: 0.9}, None)
+    assert pruning.decide(t1["job_id"], 1, 0.9, 10).pause  # trial 2 could still beat it
+    hand_back(db_url, factory, t1["job_id"], "paused at step 10: …")
+    run_job(factory, t2["job_id"], {10: 0.1}, None)
+    v2 = pruning.decide(t2["job_id"], 1, 0.1, 10)  # the last to come: the worst of three
+    assert v2.prune and "synchronous halving" in v2.reason
+
+    assert ctl.run_pass() == 0
+    t0, t1, t2 = trials(db_url, sid)
+    assert (t0["status"], t0["value"], t0["step"], t0["paused_at"]) == ("pruned", 0.5, 10, None)
+    assert t0["state"] == "cancelled"  # a held job has no worker: cancelled at once
+    assert (t1["status"], t1["paused_at"]) == ("running", None)
+    job1 = job_row(db_url, t1["job_id"])
+    assert job1.state == "queued" and job1.hold_until is None
+    assert (job1.pending_reason or "").startswith("released at evaluation 1")
+    with session_scope(db_url) as s:
+        data = list(s.scalars(select(JobEvent.data).where(JobEvent.job_id == t0["job_id"])))
+    (cancel,) = [d for d in data if d.get("to") == "cancelled"]
+    assert cancel["reason"].startswith("pruned at step 10: val/accuracy 0.5 at evaluation 1")
+    assert [t.state.name for t in study(db_url, sid).trials] == ["PRUNED", "RUNNING", "PRUNED"]
+
+    # Released: asked again at the same rung (a resumed trainer reports it again), it goes on.
+    assert pruning.decide(t1["job_id"], 1, 0.9, 10) == RungVerdict(index=1, prune=False)
+    run_job(factory, t1["job_id"], {30: 0.95}, "succeeded")
+    factory.set_state(t2["job_id"], "cancelled")
+    ctl.run_pass()
+    sweep = sweep_row(db_url, sid)
+    assert sweep.state == "succeeded"
+    with session_scope(db_url) as s:
+        view = sweep_view(s, Viewer(0, True), sid)
+    assert view is not None and view["best"] is not None and view["best"]["number"] == 1
+    assert view["counts"] == {"running": 0, "paused": 0, "complete": 1, "pruned": 2,
+                              "failed": 0, "cancelled": 0}  # fmt: skip
+
+
+def test_paused_trials_leave_the_queue_quota_to_the_trials_they_wait_for(
+    factory: Factory, ctl: SweepController, db_url: str
+) -> None:
+    sid = new_sweep(factory, pruner="halving", max_trials=3, parallel=1)
+    with session_scope(db_url) as s:
+        s.execute(update(User).where(User.name == "alice").values(max_queued=1))
+    assert ctl.run_pass() == 1
+    (t0,) = trials(db_url, sid)
+    run_job(factory, t0["job_id"], {10: 0.5}, None)
+    assert Pruning(db_url).decide(t0["job_id"], 1, 0.5, 10).pause
+    hand_back(db_url, factory, t0["job_id"], "paused at step 10: …")
+    assert ctl.run_pass() == 1  # queued and held, but not in the way of trial 1
+    assert [t["status"] for t in trials(db_url, sid)] == ["paused", "running"]
+    assert ctl.run_pass() == 0  # trial 1 queued: the quota is full now
+
+
+def test_a_paused_trial_of_a_cancelled_sweep_is_cancelled(
+    factory: Factory, ctl: SweepController, db_url: str
+) -> None:
+    sid = new_sweep(factory, pruner="halving", max_trials=3, parallel=1)
+    ctl.run_pass()
+    (t0,) = trials(db_url, sid)
+    run_job(factory, t0["job_id"], {10: 0.5}, None)
+    assert Pruning(db_url).decide(t0["job_id"], 1, 0.5, 10).pause
+    hand_back(db_url, factory, t0["job_id"], "paused at step 10: …")
+    with session_scope(db_url) as s:
+        sweep = s.get(Sweep, sid)
+        assert sweep is not None and cancel_sweep(s, sweep)
+    ctl.run_pass()
+    (t0,) = trials(db_url, sid)
+    assert (t0["state"], t0["status"]) == ("cancelled", "cancelled")
+    assert sweep_row(db_url, sid).state == "cancelled"
 
 
 def test_a_trial_that_finished_is_complete_and_the_pruner_never_decides_after(
@@ -190,6 +323,7 @@ def test_rung_plans_match_their_pruners() -> None:
     assert [asha.is_rung(i) for i in (1, 2, 3, 9, 10)] == [True, False, True, True, False]
     median = rung_plan("median", "val/loss")
     assert median is not None and median.every and median.is_rung(7)
+    assert rung_plan("halving", "val/loss") == asha  # the same rungs, decided otherwise
     assert rung_plan("none", "val/loss") is None
 
 

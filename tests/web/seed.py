@@ -104,13 +104,14 @@ class SeedTrial:
     outcome: str | None
     points: list[tuple[int, float]] = field(default_factory=list)
     error: str | None = None
+    paused_rung: int | None = None  # pruner halving: paused there, its job queued and held
 
     @property
     def value(self) -> float | None:
         return self.points[-1][1] if self.points else None
 
 
-_JOB_PATHS = {"running": ["starting", "running"], "succeeded": ["starting", "running", "succeeded"],
+_JOB_PATHS = {"queued": [], "running": ["starting", "running"], "succeeded": ["starting", "running", "succeeded"],
               "failed": ["starting", "running", "failed"], "cancelled": ["cancelled"]}  # fmt: skip
 
 
@@ -133,7 +134,7 @@ def sweep_trials(session: Session, sweep_id: str, trials: list[SeedTrial]) -> li
         session.add(SweepTrial(
             sweep_id=sweep_id, number=number, job_id=job.id, params=t.params, outcome=t.outcome,
             value=t.value, last_step=t.points[-1][0] if t.points else None, error=t.error,
-            finished_at=utcnow() if t.outcome else None,
+            finished_at=utcnow() if t.outcome else None, paused_rung=t.paused_rung,
         ))  # fmt: skip
         ids.append(job.id)
     session.flush()

@@ -54,7 +54,10 @@ DONE = [
     SeedTrial(p(0.05, 0.01, 64), "succeeded", "complete", curve(0.93)),
     SeedTrial(p(0.002, 0.08, 32), "failed", "failed", [], error="job failed: CUDA out of memory"),
 ]
-RUNNING = [SeedTrial(p(0.02, 0.03, 128), "running", None, curve(0.7, last=20))]
+RUNNING = [
+    SeedTrial(p(0.02, 0.03, 128), "running", None, curve(0.7, last=20)),
+    SeedTrial(p(0.04, 0.02, 64), "queued", None, curve(0.66, last=10), paused_rung=1),
+]
 BEST, PRUNED = 3, 2
 
 
@@ -267,6 +270,15 @@ def test_a_running_sweep_is_cancelled_after_asking(
     page.wait_for_selector("#no-importances")
     assert "needs at least 2 complete trials (has 0)" in page.text_content("#no-importances")
     assert page.get_attribute("main", "data-state") == "running"
+    # Synchronous halving's paused trial: its rung shown, and what it waits for on hover.
+    paused = page.wait_for_selector("#trials tr[data-status='paused'] .status-paused")
+    assert paused.text_content() == "paused at eval 1"
+    assert "waits at this rung" in (paused.get_attribute("title") or "")
+    api = world.api(world.alice, f"/v1/sweeps/{world.running}")
+    assert [(t["status"], t["paused_at"]) for t in api["trials"]] == [
+        ("running", None),
+        ("paused", 1),
+    ]
     keep(page, "sweep-running")
     page.click("#cancel")
     page.click("#keep-running")

@@ -1,8 +1,9 @@
 """Sweeps end to end with real processes (`torchyard api`, a scheduler running the sweep
 controller, two CPU workers) on the embedded defaults and on PostgreSQL + Redis: ASHA
 prunes a trial at its first rung, where it waited for the verdict (it trains no step
-past it), and the best trial is reported; a sweep cancelled midway leaves no trial running,
-its trials `cancelled`, and starts no new one."""
+past it), and the best trial is reported; synchronous halving pauses trials at the rung
+with their workers freed and resumes the one it keeps; a sweep cancelled midway leaves no
+trial running, its trials `cancelled`, and starts no new one."""
 
 from __future__ import annotations
 
@@ -86,6 +87,41 @@ def test_asha_prunes_a_trial_and_reports_the_best(cluster: Cluster, sdk: Client)
         reasons = s.scalars(select(JobEvent.data).where(JobEvent.job_id == pruned["job_id"]))
         assert any(d.get("to") == "cancelling" and d["reason"].startswith("pruned at step 90")
                    for d in reasons)  # fmt: skip
+
+
+def test_halving_pauses_trials_frees_their_workers_and_resumes_the_best(
+    cluster: Cluster, sdk: Client
+) -> None:
+    """Synchronous halving on the same grid: trial 0 and trial 1 are each paused at rung 1
+    (a later trial could still beat them there), handed back with a checkpoint, and trial 2
+    starts meanwhile (paused trials hold no slot of `parallel: 1`); trial 2 is pruned
+    there as the worst of three, the controller prunes paused trial 0 and releases trial 1,
+    which resumes from its rung's checkpoint and completes."""
+    body = {**ASHA, "name": "halving-e2e", "pruner": "halving", "spec": {**SPEC, "epochs": 6}}
+    sweep = wait_sweep(sdk, sdk.create_sweep(body)["id"], timeout=240)
+    t0, t1, t2 = sweep["trials"]
+    jobs = [cluster.job(t["job_id"]) for t in (t0, t1, t2)]
+    assert [(t["status"], t["state"]) for t in (t0, t1, t2)] == [
+        ("pruned", "cancelled"), ("complete", "succeeded"), ("pruned", "cancelled")
+    ], [j["error"] for j in jobs]  # fmt: skip
+    assert sweep["state"] == "succeeded" and sweep["best"]["number"] == t1["number"]
+    paused = [j["attempts"][0]["reason"] for j in jobs[:2]]
+    assert all(r.startswith("paused at step 90: val/accuracy") for r in paused), paused
+    assert [a["state"] for a in jobs[1]["attempts"]] == ["handed_back", "succeeded"]
+    assert t1["value"] > 0.9 and t1["step"] == 6 * 90
+    for t in (t0, t2):
+        assert (t["step"], t["paused_at"]) == (90, None)
+    assert "synchronous halving" in jobs[0]["attempts"][0]["reason"]
+    with cluster.session() as s:
+        for t in (t0, t2):  # neither trained past its rung
+            last = s.scalar(select(func.max(Metric.step)).where(Metric.job_id == t["job_id"]))
+            assert last == 90
+        reasons = s.scalars(select(JobEvent.data).where(JobEvent.job_id == t0["job_id"]))
+        assert any(d.get("to") == "cancelled" and d["reason"].startswith("pruned at step 90")
+                   for d in reasons)  # fmt: skip
+    # Trial 1 went on from its checkpoint at the rung: its second attempt trained the rest.
+    steps, loss = cluster.metrics(t1["job_id"], "train/loss")
+    assert loss and steps == sorted(set(steps)) and max(steps) == 6 * 90
 
 
 def test_a_cancelled_sweep_leaves_no_trial_running_and_starts_none(

@@ -13,24 +13,27 @@ import pytest
 
 from torchyard.contracts import exitcodes
 from torchyard.contracts.eventmodel import RungEvent
-from torchyard.contracts.rungs import RungPlan, RungVerdict, verdict_file
+from torchyard.contracts.rungs import PAUSED_AT, RungPlan, RungVerdict, verdict_file
 from torchyard.worker import rungs as worker_rungs
-from torchyard.worker.outcome import STOP_PRUNED, Ending, decide
+from torchyard.worker.outcome import STOP_PAUSED, STOP_PRUNED, Ending, decide
 from torchyard.worker.runfiles import remove_run_files, write_run_file
 from torchyard.worker.rungs import Rungs
 
 
 class FakePruning:
-    """Our own seam (store/pruning.py Pruning): prunes at `prune_at`, fails `fail` times."""
+    """Our own seam (store/pruning.py Pruning): prunes at `prune_at`, pauses at `pause_at`,
+    fails `fail` times."""
 
-    def __init__(self, prune_at: int | None = None, fail: int = 0):
-        self.prune_at, self.fail, self.asked = prune_at, fail, []
+    def __init__(self, prune_at: int | None = None, fail: int = 0, pause_at: int | None = None):
+        self.prune_at, self.pause_at, self.fail, self.asked = prune_at, pause_at, fail, []
 
     def decide(self, job_id: str, index: int, value: float | None, step: int) -> RungVerdict:
         if self.fail:
             self.fail -= 1
             raise ConnectionError("the store is out of reach")
         self.asked.append((index, value, step))
+        if index == self.pause_at:
+            return RungVerdict(index=index, prune=False, pause=True, reason="others to come")
         prune = index == self.prune_at
         return RungVerdict(index=index, prune=prune, reason="behind" if prune else "")
 
@@ -103,3 +106,19 @@ def test_a_pruned_trials_attempt_is_cancelled_with_the_pruners_reason() -> None:
     # Exit 76 that the worker did not ask for (user code can exit 76): an ordinary failure.
     forged = decide(Ending(rc=exitcodes.PRUNED, stop_why=None, **{**base, "job_state": "running"}))  # type: ignore[arg-type]
     assert forged is not None and forged.outcome == "failed"
+
+
+def test_a_pause_is_the_workers_alone_and_hands_the_attempt_back(tmp_path: Path) -> None:
+    """Synchronous halving: a paused trial's verdict is never written for the trainer (it
+    would read it as go on); the worker stops it as for a preemption and hands it back."""
+    k = keeper(tmp_path, FakePruning(pause_at=3))
+    pending = [rung(1, 10), rung(3, 30), rung(9, 90)]
+    done = k.answer(pending)
+    assert done is not None and done.verdict.pause and done.step == 30 and pending == []
+    assert read(tmp_path, 1).index == 1 and not (tmp_path / verdict_file(3)).exists()
+    why = f"{PAUSED_AT}30: others to come"
+    base = {"rank": 0, "worker_id": "w", "job_state": "running", "last_step": 30}
+    d = decide(
+        Ending(rc=exitcodes.PREEMPTED, stop_why=STOP_PAUSED, prune_reason=why, stopped=True, **base)
+    )  # type: ignore[arg-type]
+    assert d is not None and (d.outcome, d.reason, d.retryable) == ("handed_back", why, False)

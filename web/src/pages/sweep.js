@@ -16,7 +16,10 @@ const sweepPath = (id) => `/v1/sweeps/${encodeURIComponent(id)}`;
 const short = (json) => shortValue(json);
 
 function statusBadge(t, best) {
-  return [h("span", { class: `status status-${t.status}` }, t.status), best ? h("span", { class: "badge-best", title: "the complete trial with the best value" }, "★ best") : null];
+  // A paused trial (pruner halving) waits at a rung, its worker freed, for the others.
+  const text = t.status === "paused" ? `paused at eval ${t.paused_at}` : t.status;
+  const title = t.status === "paused" ? "waits at this rung until the trials still running reach it; then goes on from its checkpoint or is pruned" : null;
+  return [h("span", { class: `status status-${t.status}`, title }, text), best ? h("span", { class: "badge-best", title: "the complete trial with the best value" }, "★ best") : null];
 }
 
 // The trial table: one column per parameter, the objective's value and the step it was at.

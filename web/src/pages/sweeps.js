@@ -7,7 +7,7 @@ import { JOB } from "../states.gen.js";
 const PAGE = 100;
 const TICK_MS = 5000;
 // A trial's statuses; a sweep's states and these share the job states' names (store/sweeps.py).
-export const STATUSES = ["complete", "pruned", JOB.FAILED, JOB.CANCELLED, JOB.RUNNING];
+export const STATUSES = ["complete", "pruned", JOB.FAILED, JOB.CANCELLED, JOB.RUNNING, "paused"];
 
 // Calls `refresh()` (at most every 2 s) while `live()` says so: when the jobs stream names a
 // change (a trial's state or curve, a new trial's job), and every TICK_MS for what has no
@@ -29,7 +29,7 @@ export function objectiveText(o) {
 // "4/16" and the nonzero counts: "3 complete · 1 pruned".
 export function countsCell(s) {
   const c = s.counts || {};
-  const ended = STATUSES.filter((k) => k !== JOB.RUNNING).reduce((n, k) => n + (c[k] || 0), 0);
+  const ended = STATUSES.filter((k) => k !== JOB.RUNNING && k !== "paused").reduce((n, k) => n + (c[k] || 0), 0);
   const parts = STATUSES.filter((k) => c[k]).map((k) => `${c[k]} ${k}`);
   return h("span", { class: "counts", title: `${ended} of ${s.max_trials} trials ended` },
     h("strong", {}, `${ended}/${s.max_trials}`), parts.length ? h("span", { class: "muted small" }, " · " + parts.join(" · ")) : null);
