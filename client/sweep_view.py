@@ -66,15 +66,17 @@ def sweep_summary_line(sweep: dict) -> str:
 
 def _trial_state(t: dict) -> str:
     status = t.get("status")
+    if status == "paused":  # pruner halving: waiting at a rung, its worker freed
+        return f"paused at eval {t.get('paused_at')}"
     return str(t.get("state")) if status in (None, "running") else str(status)
 
 
 def trials_done(sweep: dict) -> str:
     counts = sweep.get("counts") or {}
-    done = sum(v for k, v in counts.items() if k != "running")
+    done = sum(v for k, v in counts.items() if k not in ("running", "paused"))
     parts = [
         f"{counts[k]} {k}"
-        for k in ("running", "complete", "pruned", "failed", "cancelled")
+        for k in ("running", "paused", "complete", "pruned", "failed", "cancelled")
         if counts.get(k)
     ]
     return f"{done}/{sweep.get('max_trials')} done" + (f" ({', '.join(parts)})" if parts else "")

@@ -162,6 +162,20 @@ def test_trials_are_shown_best_first_for_either_mode() -> None:
         assert [r.split()[0] for r in rows] == order
 
 
+def test_a_paused_trial_shows_its_rung_and_is_not_done() -> None:
+    trials = [
+        {"number": 0, "job_id": "j0", "params": {"x": 0}, "state": "queued", "status": "paused",
+         "paused_at": 3, "value": 0.8, "step": 30, "pruned": False},
+        {"number": 1, "job_id": "j1", "params": {"x": 1}, "state": "cancelled",
+         "status": "pruned", "paused_at": None, "value": 0.2, "step": 10, "pruned": True},
+    ]  # fmt: skip
+    sweep = {"id": "s", "objective": {"metric": "m", "mode": "max"}, "trials": trials,
+             "counts": {"paused": 1, "pruned": 1}, "max_trials": 4}  # fmt: skip
+    text = render.to_text(describe_sweep(sweep))
+    assert "1/4 done (1 paused, 1 pruned)" in text
+    assert "paused at eval 3" in text
+
+
 def test_follow_on_a_terminal_redraws_in_place(
     ty: Client, sweep_file: Path, scheduler: Callable[[], None]
 ) -> None:
