@@ -919,13 +919,16 @@ class Supervision:
                 return
             self.launch(prepared)
         except Fenced:
+            # The attempt was ended elsewhere (a peer rank's failed launch, the reaper) while
+            # this rank launched: its trainer, if it started, is no attempt's. Left running,
+            # a rank waits for a rendezvous that never comes, on a worker counted idle (the
+            # chaos soak found such sandboxes).
+            self._kill_trainer()
             self.finish(None, None)
             return
         except Exception as e:
             log.exception("job %s: launch failed", self.c.job_id)
-            if self.trainer is not None:
-                self.trainer.kill()
-                self.trainer.wait()
+            self._kill_trainer()
             self.finish(None, self._launch_failed(e))
             return
         try:
@@ -947,6 +950,14 @@ class Supervision:
             self.shipper.close()
             self.shipper = None
         self.finish(rc, self._unstored(self._ending(rc)))
+
+    def _kill_trainer(self) -> None:
+        """The trainer a failed or fenced launch started, if any: killed and reaped."""
+        if self.trainer is not None:
+            log.warning("job %s: stopping the trainer this launch started (pid %d)",
+                        self.c.job_id, self.trainer.pid)  # fmt: skip
+            self.trainer.kill()
+            self.trainer.wait()
 
     def _unstored(self, d: Decision | None) -> Decision | None:
         """A success whose checkpoints (its final weights) are still unrecorded, because

@@ -277,6 +277,31 @@ def test_an_attempt_its_worker_stopped_supervising_is_lost_not_stuck(db_url: str
         assert job is not None and job.state == "queued" and job.attempt == 2
 
 
+def test_a_trainer_launched_for_an_attempt_ended_meanwhile_is_killed(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chaos soak found sandboxes left running after every job had ended: a gang's rank
+    launched its trainer just as its peer's failed launch (a full disk) ended the attempt;
+    recording the pid was refused (Fenced) and the supervisor returned without stopping
+    the trainer, which waited for a rendezvous that never came on a worker counted idle."""
+    settings = _settings(sqlite_url, tmp_path, sandbox="off")
+    job_id, attempt_id, assignment_id = _started(sqlite_url)
+    with session_scope(sqlite_url) as s:
+        spec = dict(s.get(Job, job_id).spec)  # type: ignore[union-attr]
+
+    def ended_meanwhile(*args: Any, **kw: Any) -> None:
+        raise Fenced(attempt_id, "ended by a peer rank's failed launch")
+
+    monkeypatch.setattr(supervisor, "mark_launched", ended_meanwhile)
+    started: list[int] = []
+    ctx = WorkerContext(settings, "w1", Device("cpu", None, "cpu", None), "127.0.0.1")
+    ctx.on_launch = started.append
+    Supervision(ctx, Claimed(assignment_id, attempt_id, 1, job_id, 0, 1, spec, False)).run()
+    (pid,) = started
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left to train on
+        os.kill(pid, 0)
+
+
 def test_a_full_disk_does_not_stop_the_end_being_recorded(sqlite_url: str, tmp_path: Path) -> None:
     settings = _settings(sqlite_url, tmp_path)
     job_id, attempt_id, assignment_id = _started(sqlite_url)
