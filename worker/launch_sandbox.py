@@ -11,9 +11,14 @@ job is known: its `/job` is an empty folder `next` beside the run directories, i
 the slot's code folder. At the hand-over the job's run directory and `next` swap names
 (one atomic `renameat2(RENAME_EXCHANGE)`), the few files the worker had just written
 (its spec, its log's first lines) move into it, and the bundle is copied into the slot's
-code folder: the standby sees exactly its job's files where a cold trainer would. Only a
-fresh start is handed over this way (no resume file, no init weights: those start cold),
-so no checkpoint is ever moved.
+code folder: the standby sees exactly its job's files where a cold trainer would. The
+run directory's files reach the standby's folder as hard links made before the swap, so
+the run directory's name holds every file at every instant: a worker killed mid-way
+leaves at most a tree of links (swept at its next start), never a checkpoint outside
+its run. A fresh start and a resume from the run's own checkpoint (a paused sweep trial,
+a preempted job on local storage) are handed over; a job whose inputs lie elsewhere
+(init weights, a checkpoint fetched into the host's cache) starts cold, since the
+standby's sandbox can no longer gain a bind.
 
 Where the host cannot run bubblewrap (no user namespaces, no `bwrap`, macOS) the worker
 says so when it starts; built-in jobs then run as `local` ones, and a job that runs user
@@ -28,6 +33,8 @@ import logging
 import os
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -66,6 +73,7 @@ log = logging.getLogger(__name__)
 
 NAME = "sandbox"
 RENAME_EXCHANGE = 2
+MIRROR_MAX_ENTRIES = 10_000  # run-dir entries a hand-over links; past it, start cold
 READY_WAIT_S = 2.0  # a standby's sandbox is set up in milliseconds; past this, start cold
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -193,7 +201,10 @@ class SandboxLauncher:
     def _start_standby(self, env: dict[str, str], out_fd: int) -> subprocess.Popen[bytes]:
         runs = self._runs_root()
         runs.mkdir(parents=True, exist_ok=True)
-        nxt = Path(tempfile.mkdtemp(prefix=f".next-{os.getpid()}-", dir=runs))
+        if self._next is not None:  # the folder of a standby that never took a job
+            shutil.rmtree(self._next, ignore_errors=True)
+        sweep_next_folders(runs)
+        nxt = Path(tempfile.mkdtemp(prefix=f"{_next_prefix()}{os.getpid()}-", dir=runs))
         give_to(nxt, self.ident.owns())
         code = self._slot_dir("code")
         give_to(code, self.ident.owns())
@@ -204,23 +215,28 @@ class SandboxLauncher:
         return proc
 
     def _hand_over(self, request: LaunchRequest, oom_before: int | None) -> SandboxTrainer | None:
-        """The warm standby takes a fresh one-rank job, or None (start cold)."""
+        """The warm standby takes a one-rank job whose inputs all lie in its run directory,
+        or None (start cold)."""
         launch = request.launch
         nxt, standby = self._next, self.standby
-        if standby is None or nxt is None or launch.resume is not None or launch.init:
+        if standby is None or nxt is None or not inputs_in_run_dir(launch):
             return None
         if not self._standby_inside(standby):
             return None
-        self._next = None
         try:
+            mirror(launch.run_dir, nxt)  # the run dir stays whole: a crash loses nothing
             exchange(launch.run_dir, nxt)  # the run dir's name now holds the standby's /job
-            for entry in os.listdir(nxt):  # the worker's own files of this fresh start
-                os.rename(nxt / entry, launch.run_dir / entry)
-            nxt.rmdir()
+        except OSError as e:
+            log.warning("could not hand the warm trainer its run directory (%s); cold start", e)
+            _empty(nxt)  # the standby waits on, its folder empty again
+            return None
+        self._next = None
+        shutil.rmtree(nxt, ignore_errors=True)  # the old tree: its files live on as links
+        try:
             give_to(launch.run_dir, self.ident.owns())
             code = self._private_code(launch.code_dir, self.staging / "code")
         except OSError as e:
-            log.warning("could not hand the warm trainer its run directory (%s); cold start", e)
+            log.warning("could not hand the warm trainer its code (%s); cold start", e)
             return None
         inside = self._inside(launch, code, [])
         go = go_message(inside, sandbox_env(request.env, _bin()), request.log_path)
@@ -345,6 +361,62 @@ class SandboxLauncher:
             give_to(folder, self.ident.owns())
         inputs.append((host, inside))
         return inside
+
+
+def inputs_in_run_dir(launch: Launch) -> bool:
+    """Every file the trainer is given lies in its run directory (the standby sees only
+    that): a resume from the run's own checkpoint, no init weights from elsewhere."""
+    run = launch.run_dir.resolve()
+    return all(p is None or p.resolve().is_relative_to(run) for p in (launch.resume, launch.init))
+
+
+def mirror(src: Path, dst: Path, limit: int = MIRROR_MAX_ENTRIES) -> None:
+    """`dst` (empty) gets `src`'s tree: folders made anew, everything else hard-linked
+    (symlinks as themselves, never followed). OSError past `limit` entries: a job that
+    filled its run directory with files starts cold rather than stall its hand-over."""
+    todo = [(src, dst)]
+    count = 0
+    while todo:
+        here, there = todo.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                count += 1
+                if count > limit:
+                    raise OSError(f"over {limit} files in the run directory")
+                target = there / entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    target.mkdir(mode=stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode))
+                    todo.append((Path(entry.path), target))
+                else:
+                    os.link(entry.path, target, follow_symlinks=False)
+
+
+def _empty(folder: Path) -> None:
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _next_prefix() -> str:
+    # The host's name: on a shared disk another host's live standby folders are not ours.
+    return f".next-{socket.gethostname()}-"
+
+
+def sweep_next_folders(runs: Path) -> None:
+    """Remove this host's standby folders whose worker is gone (killed mid-hand-over,
+    a tree of links may remain: it would hold a deleted run's checkpoints' space)."""
+    prefix = _next_prefix()
+    with contextlib.suppress(OSError), os.scandir(runs) as entries:
+        for entry in entries:
+            if not entry.name.startswith(prefix):
+                continue
+            pid = entry.name[len(prefix) :].split("-", 1)[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _bin() -> str:

@@ -6,8 +6,10 @@ growing at its cap while the job goes on. The attacks are `hostile`; the whole-p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +20,13 @@ from specs import synthetic_spec
 
 from torchyard.settings import Settings
 from torchyard.worker.launch_local import LocalLauncher
-from torchyard.worker.launch_sandbox import SandboxLauncher, SandboxTrainer
+from torchyard.worker.launch_sandbox import (
+    SandboxLauncher,
+    SandboxTrainer,
+    inputs_in_run_dir,
+    mirror,
+    sweep_next_folders,
+)
 from torchyard.worker.launcher import LaunchRequest, SandboxRefused, choose_launcher
 from torchyard.worker.logpump import LogPump, cut_marker
 from torchyard.worker.proc import Launch, slot_env, trainer_argv
@@ -182,6 +190,92 @@ def test_a_real_trainer_runs_cold_and_warm_inside(tmp_path: Path) -> None:
     assert (runs / "2" / "spec.json").exists()  # the worker's files moved in with it
     assert not list(runs.glob(".next-*"))  # the standby's folder became the run dir
     warm.close()
+
+
+@needs_bwrap
+def test_a_resume_from_the_runs_own_checkpoint_is_handed_to_the_warm_trainer(
+    tmp_path: Path,
+) -> None:
+    # A paused sweep trial or a preempted job resumes from a checkpoint in its run dir:
+    # the warm standby takes it (no cold start), and every file of the run is there.
+    settings = Settings(home=tmp_path / "home", storage_root=tmp_path / "storage")
+    warm = WarmTrainer(lambda: slot_env(settings, "", {}))
+    launcher = SandboxLauncher(settings, warm)
+    run = settings.storage / "jobs" / "1"
+    request = _request(settings, run, warm_ok=False)
+    spec = synthetic_spec(epochs=2, batch_size=16,
+                          checkpoint={"every_steps": 2, "every_epochs": None, "keep_last": 4})  # fmt: skip
+    request.launch.spec_path.write_text(json.dumps(spec))
+    assert launcher.start(request).wait(120) == 0, _read(run / "output.log")
+    first = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    ckpts = sorted(e["path"] for e in first if e["type"] == "checkpoint")
+    assert len(ckpts) >= 2
+    (run / "kept").mkdir()
+    (run / "kept" / "notes.txt").write_text("the worker's")  # a file no trainer rewrites
+    before = {rel: (run / rel).stat().st_ino for rel in (ckpts[0], "kept/notes.txt")}
+    warm.refill()
+    assert warm.proc is not None
+    standby_pid = warm.proc.pid
+    resumed = dataclasses.replace(request.launch, resume=run / ckpts[0])
+    again = dataclasses.replace(request, launch=resumed, warm_ok=True)
+    handed = launcher.start(again)
+    assert handed.pid == standby_pid  # warm, although it resumes
+    assert handed.wait(120) == 0, _read(run / "output.log")
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    started = [e for e in events if e["type"] == "started"]
+    assert started[-1]["resumed_from"] == ckpts[0] and started[-1]["step"] == 2
+    assert events[-1]["type"] == "finished" and events[-1]["step"] == 8
+    # The earlier attempt's files are the same files (links, never copies), none lost.
+    assert {rel: (run / rel).stat().st_ino for rel in before} == before
+    assert (run / "spec.json").exists() and not list(run.parent.glob(".next-*"))
+    warm.close()
+
+
+def test_init_weights_from_elsewhere_start_cold(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "1"
+    run.mkdir(parents=True)
+    own = Launch(spec_path=run / "spec.json", run_dir=run, resume=run / "checkpoints" / "a.pt")
+    assert inputs_in_run_dir(own)
+    other = dataclasses.replace(own, init=tmp_path / "runs" / "2" / "model.safetensors")
+    assert not inputs_in_run_dir(other)
+    escape = dataclasses.replace(own, resume=run / ".." / "2" / "checkpoints" / "a.pt")
+    assert not inputs_in_run_dir(escape)
+
+
+def test_a_hand_over_links_the_run_dir_and_a_crash_midway_loses_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step-2.pt").write_bytes(b"weights")
+    (run / "events.jsonl").write_text("{}\n")
+    os.symlink("/etc/passwd", run / "link")  # a job's own symlink stays one, never followed
+    nxt = tmp_path / "next"
+    nxt.mkdir()
+    mirror(run, nxt)
+    assert (nxt / "checkpoints" / "step-2.pt").stat().st_ino == (
+        run / "checkpoints" / "step-2.pt"
+    ).stat().st_ino
+    assert os.readlink(nxt / "link") == "/etc/passwd"
+    # Killed before the swap: the run dir is untouched; the links are the only leftover.
+    assert (run / "checkpoints" / "step-2.pt").read_bytes() == b"weights"
+    # A run dir filled with files is not linked one by one: that job starts cold.
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(5):
+        (many / str(i)).touch()
+    (tmp_path / "dst").mkdir()
+    with pytest.raises(OSError, match="over 4 files"):
+        mirror(many, tmp_path / "dst", limit=4)
+
+
+def test_standby_folders_of_dead_workers_are_swept(tmp_path: Path) -> None:
+    host = socket.gethostname()
+    gone = tmp_path / f".next-{host}-999999999-abc"  # above pid_max: no such process
+    live = tmp_path / f".next-{host}-{os.getpid()}-abc"
+    other_host = tmp_path / ".next-elsewhere-999999999-abc"
+    for d in (gone, live, other_host):
+        (d / "checkpoints").mkdir(parents=True)
+    sweep_next_folders(tmp_path)
+    assert not gone.exists() and live.exists() and other_host.exists()
 
 
 @needs_bwrap
