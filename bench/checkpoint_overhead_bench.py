@@ -23,7 +23,10 @@ in both modes) and any time the upload thread takes from it. Prints each run's s
 the CPU seconds its worker (recorder, log shipping, the upload thread) and SeaweedFS
 used (from /proc: load-independent, unlike steps/s), the load average, then the
 median of each mode and the ratio s3/local of the medians (and of the best runs). --windows
-prints every window's steps/s. Goal: ratio >= 0.97.
+prints every window's steps/s, and each round's own s3/local pair. Goal: ratio >= 0.97.
+Before each run every worker is idle with its warm trainer ready: a worker starts its
+next standby when its job ends, and that import (~5 CPU-seconds) must not overlap the
+next run.
 
 This machine may have only two cores, and the upload thread (reading, hashing, sending the
 file) competes with the trainer for them: every trainer runs with one thread
@@ -59,7 +62,10 @@ for extra in (benchlib.ROOT / "tests", benchlib.ROOT / "tests" / "worker"):
         sys.path.insert(0, str(extra))
 
 from seaweed import start_seaweed  # noqa: E402
-from worker_cluster import Cluster  # noqa: E402
+from sqlalchemy import select  # noqa: E402
+from worker_cluster import Cluster, wait_for  # noqa: E402
+
+from torchyard.store.models import Worker  # noqa: E402
 
 LOG_EVERY = 10
 SERVICES = {
@@ -123,11 +129,25 @@ class Run:
     store_cpu_s: float  # SeaweedFS (busy in the s3 runs only)
 
 
+def wait_settled(clusters: list[Cluster], timeout_s: float = 120) -> None:
+    """Every cluster's worker idle with its warm trainer ready: the previous run's worker
+    starts its next standby once its job ends (importing torch, ~5 CPU-seconds), which
+    would otherwise overlap the next run, on the trainers' core when pinned."""
+    for c in clusters:
+        c.wait_workers(1)
+
+        def warm(c: Cluster = c) -> bool:
+            with c.session() as s:
+                marks = list(s.scalars(select(Worker.warm_since)))
+            return bool(marks) and all(m is not None for m in marks)
+
+        wait_for(warm, timeout_s, "every worker's warm trainer", every=0.2)
+
+
 def one_run(
     c: Cluster, spec: dict[str, Any], timeout_s: float, store_pid: int, verbose: bool
 ) -> Run:
     """The job on `c`, start to end, with the CPU its worker and the store used."""
-    c.wait_workers(1)
     worker, store = cpu_s(c.procs["w0"].pid), cpu_s(store_pid)
     job = c.submit(spec)
     c.wait_state(job["id"], "succeeded", timeout=timeout_s)
@@ -250,6 +270,7 @@ def main() -> int:
         for r in range(args.repeat):
             order = ("local", "s3") if r % 2 == 0 else ("s3", "local")
             for mode in order:
+                wait_settled(list(clusters.values()))
                 run = one_run(clusters[mode], spec, args.timeout, server.process.pid, args.windows)
                 runs[mode].append(run)
                 print(
@@ -287,6 +308,11 @@ def report(runs: dict[str, list[Run]], args: argparse.Namespace, load: float) ->
         print(f"{mode:>5}: median {med[mode]:6.2f} steps/s, best {max(xs):6.2f}   [{each}]")
     print(f"ratio s3/local: median {med['s3'] / med['local']:.3f}, "
           f"best {max(rates['s3']) / max(rates['local']):.3f}   (goal >= 0.97)")  # fmt: skip
+    # Each round's own pair (run back to back, the order alternating): slow drifts of the
+    # host cancel out within a round.
+    pairs = [s3 / local for s3, local in zip(rates["s3"], rates["local"], strict=True)]
+    each = ", ".join(f"{x:.3f}" for x in pairs)
+    print(f"ratio s3/local within each round: median {statistics.median(pairs):.3f}   [{each}]")
 
 
 if __name__ == "__main__":
