@@ -264,7 +264,10 @@ class Pruning:
         trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
         trial = optuna.Trial(study, trial_id)
         try:
-            trial.report(v, index)
+            # A resumed trial (released by halving, preempted) reaches its rung again: it
+            # was told once (Optuna would warn and keep the first value anyway).
+            if index not in storage.get_trial(trial_id).intermediate_values:
+                trial.report(v, index)
         except RuntimeError as e:
             log.info("sweep %s trial %d: not reported at %d (%s)", study.study_name, number,
                      index, e)  # fmt: skip

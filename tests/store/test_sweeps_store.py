@@ -6,6 +6,7 @@ controller that stops between asking Optuna and storing the trial."""
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -256,8 +257,11 @@ def test_halving_pauses_a_trial_holds_its_job_and_the_controller_settles_it(
     assert cancel["reason"].startswith("pruned at step 10: val/accuracy 0.5 at evaluation 1")
     assert [t.state.name for t in study(db_url, sid).trials] == ["PRUNED", "RUNNING", "PRUNED"]
 
-    # Released: asked again at the same rung (a resumed trainer reports it again), it goes on.
-    assert pruning.decide(t1["job_id"], 1, 0.9, 10) == RungVerdict(index=1, prune=False)
+    # Released: asked again at the same rung (a resumed trainer reports it again), it goes
+    # on, and Optuna is not told the rung twice (it would warn "already reported").
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pruning.decide(t1["job_id"], 1, 0.9, 10) == RungVerdict(index=1, prune=False)
     run_job(factory, t1["job_id"], {30: 0.95}, "succeeded")
     factory.set_state(t2["job_id"], "cancelled")
     ctl.run_pass()
