@@ -92,6 +92,8 @@ def test_claim_deadline_gives_the_job_to_another_worker(sqlite_url: str, tmp_pat
         att = s.query(Attempt).filter_by(job_id=job.id, number=1).one()
         assert att.state == "handed_back"  # not counted against max_restarts
     sched.sent.clear()
+    with session_scope(sqlite_url) as s:  # w2 is alive: on a loaded host 0.5 s has passed
+        heartbeat(s, "w2")
     out = sched.schedule_pass()
     assert [(d.job_id, d.worker_id) for d in out] == [(job.id, "w2")]
 
