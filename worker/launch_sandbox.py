@@ -228,7 +228,8 @@ class SandboxLauncher:
             exchange(launch.run_dir, nxt)  # the run dir's name now holds the standby's /job
         except OSError as e:
             log.warning("could not hand the warm trainer its run directory (%s); cold start", e)
-            _empty(nxt)  # the standby waits on, its folder empty again
+            with contextlib.suppress(OSError):
+                _empty(nxt)  # the standby waits on, its folder empty again
             return None
         self._next = None
         shutil.rmtree(nxt, ignore_errors=True)  # the old tree: its files live on as links
@@ -326,11 +327,7 @@ class SandboxLauncher:
         itself kept: a standby sees it through a bind), owned by the sandbox's user."""
         if code_dir is None:
             return None
-        for entry in os.scandir(dest):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+        _empty(dest)
         shutil.copytree(code_dir, dest, symlinks=True, dirs_exist_ok=True)
         give_to(dest, self.ident.owns())
         return dest
@@ -392,13 +389,13 @@ def mirror(src: Path, dst: Path, limit: int = MIRROR_MAX_ENTRIES) -> None:
 
 
 def _empty(folder: Path) -> None:
-    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+    """Remove what `folder` holds, the folder itself kept (a sandbox may bind it)."""
+    with os.scandir(folder) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                shutil.rmtree(entry.path)
             else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
+                os.unlink(entry.path)
 
 
 def _next_prefix() -> str:
