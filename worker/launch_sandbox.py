@@ -8,11 +8,10 @@ from elsewhere) under `/inputs`, then runs the trainer with its paths rewritten 
 
 The slot's warm standby (worker/standby.py) is started inside a sandbox too, before its
 job is known: its `/job` is an empty folder `next` beside the run directories, its `/code`
-the slot's code folder. At the hand-over the job's run directory and `next` swap names
-(one atomic `renameat2(RENAME_EXCHANGE)`), the few files the worker had just written
-(its spec, its log's first lines) move into it, and the bundle is copied into the slot's
-code folder: the standby sees exactly its job's files where a cold trainer would. The
-run directory's files reach the standby's folder as hard links made before the swap, so
+the slot's code folder. At the hand-over the run directory's files are hard-linked into
+`next`, the two swap names (one atomic `renameat2(RENAME_EXCHANGE)`), and the bundle is
+copied into the slot's code folder: the standby sees exactly its job's files where a
+cold trainer would. Since the links are made before the swap,
 the run directory's name holds every file at every instant: a worker killed mid-way
 leaves at most a tree of links (swept at its next start), never a checkpoint outside
 its run. A fresh start and a resume from the run's own checkpoint (a paused sweep trial,
