@@ -66,6 +66,7 @@ class Claimed:
     # a sweep trial's objective and its sweep's pruner (None: not a trial)
     sweep_metric: str | None = None
     sweep_pruner: str | None = None
+    owner_id: int | None = None  # whose job: a warm trainer never serves two users
 
 
 def claim_rank(session: Session, assignment_id: int, worker_id: str) -> Claimed | None:
@@ -82,12 +83,13 @@ def claim_rank(session: Session, assignment_id: int, worker_id: str) -> Claimed 
             Job.cancel_requested,
             Sweep.metric,
             Sweep.pruner,
+            Job.owner_id,
         )
         .join(Job, Job.id == Attempt.job_id)
         .outerjoin(Sweep, Sweep.id == Job.sweep_id)
         .where(Attempt.id == a.attempt_id)
     ).one()
-    number, world_size, spec, job_state, cancel_requested, metric, pruner = row
+    number, world_size, spec, job_state, cancel_requested, metric, pruner, owner_id = row
     return Claimed(
         assignment_id=a.id,
         attempt_id=a.attempt_id,
@@ -99,6 +101,7 @@ def claim_rank(session: Session, assignment_id: int, worker_id: str) -> Claimed 
         cancelling=job_state == CANCELLING or bool(cancel_requested),
         sweep_metric=metric,
         sweep_pruner=pruner,
+        owner_id=owner_id,
     )
 
 

@@ -5,6 +5,8 @@ import sys
 
 if sys.argv[1:] == ["--standby"]:  # the worker's warm trainer: trainer/standby.py
     from torchyard.trainer.standby import main
+elif sys.argv[1:] == ["--zygote"]:  # the sandboxed slot's warm trainer: trainer/zygote.py
+    from torchyard.trainer.zygote import main
 else:
     from torchyard.trainer.cli import main
 

@@ -52,9 +52,9 @@ from torchyard.worker.launch_local import (
     start_piped,
     trainer_cgroup,
 )
-from torchyard.worker.launcher import LaunchRequest, SandboxRefused, Standby
+from torchyard.worker.launcher import LaunchRequest, SandboxRefused, Standby, TrainerHandle
 from torchyard.worker.logpump import LogPump, piped_log
-from torchyard.worker.proc import Launch, go_message, standby_argv, trainer_argv
+from torchyard.worker.proc import Launch, go_message, trainer_argv, zygote_argv
 from torchyard.worker.sandbox import (
     CODE,
     INPUTS,
@@ -67,6 +67,8 @@ from torchyard.worker.sandbox import (
     sandbox_env,
     support,
 )
+from torchyard.worker.standby import Handed
+from torchyard.worker.zygote import Zygote, ZygoteTrainer, children, socket_pair
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ NAME = "sandbox"
 RENAME_EXCHANGE = 2
 MIRROR_MAX_ENTRIES = 10_000  # run-dir entries a hand-over links; past it, start cold
 READY_WAIT_S = 2.0  # a standby's sandbox is set up in milliseconds; past this, start cold
+IMPORT_WAIT_S = 60.0  # a zygote taken while still importing: its answer comes after them
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -109,7 +112,7 @@ class SandboxTrainer(LocalTrainer):
         """The host pid of the trainer (or torchrun) inside, once it has started."""
         if self._init_pid is None:
             return None
-        kids = _children(self._init_pid)
+        kids = children(self._init_pid)
         return kids[0] if kids else None
 
     def terminate(self) -> None:
@@ -142,13 +145,6 @@ def inner_rc(rc: int) -> int:
     return rc
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def _read_info(fd: int) -> int | None:
     """bwrap's --info-fd JSON: the host pid of the sandbox's init (None: it failed)."""
     chunks = []
@@ -175,8 +171,7 @@ class SandboxLauncher:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
         self.standby = standby
-        self._next: Path | None = None  # the live standby's /job
-        self._inits: dict[int, int | None] = {}  # standby's bwrap pid -> its init's pid
+        self._zygote: Zygote | None = None  # the slot's warm trainer, idle or serving
         self.cgroup = trainer_cgroup(settings)  # every trainer and standby of the slot
         self._oom_count = oom_counter(self.cgroup)
         # Where the host cannot sandbox, every trainer starts cold (`start`): the worker
@@ -185,6 +180,8 @@ class SandboxLauncher:
         if standby is not None and self.uses_standby:
             standby.starter = self._start_standby
             standby.view = lambda env: sandbox_env(env, _bin())
+            standby.reuse = self._reuse
+            standby.end_input = self._end_input
 
     # ---- the standby --------------------------------------------------------------------
 
@@ -198,10 +195,9 @@ class SandboxLauncher:
         return d
 
     def _start_standby(self, env: dict[str, str], out_fd: int) -> subprocess.Popen[bytes]:
+        self._end_zygote()  # one that died idle, or cannot serve again
         runs = self._runs_root()
         runs.mkdir(parents=True, exist_ok=True)
-        if self._next is not None:  # the folder of a standby that never took a job
-            shutil.rmtree(self._next, ignore_errors=True)
         sweep_next_folders(runs)
         nxt = Path(tempfile.mkdtemp(prefix=f"{_next_prefix()}{os.getpid()}-", dir=runs))
         give_to(nxt, self.ident.owns())
@@ -209,62 +205,145 @@ class SandboxLauncher:
         give_to(code, self.ident.owns())
         mounts = Mounts(run_dir=nxt, code=code, data=self.settings.data, lease=_lease(env))
         inside_env = sandbox_env(env, _bin())
-        proc, init = self._spawn(standby_argv(), mounts, inside_env, out_fd, stdin=subprocess.PIPE)
-        self._next, self._inits = nxt, {proc.pid: init}
+        ours, theirs = socket_pair()
+        try:
+            proc, init = self._spawn(
+                zygote_argv(), mounts, inside_env, out_fd, stdin=theirs.fileno()
+            )
+        except BaseException:
+            ours.close()
+            shutil.rmtree(nxt, ignore_errors=True)
+            raise
+        finally:
+            theirs.close()
+        self._zygote = Zygote(proc, ours, init, nxt)
         return proc
 
-    def _hand_over(self, request: LaunchRequest, oom_before: int | None) -> SandboxTrainer | None:
-        """The warm standby takes a one-rank job whose inputs all lie in its run directory,
+    def _hand_over(self, request: LaunchRequest, oom_before: int | None) -> ZygoteTrainer | None:
+        """The slot's zygote runs a one-rank job whose inputs all lie in its run directory,
         or None (start cold)."""
         launch = request.launch
-        nxt, standby = self._next, self.standby
-        if standby is None or nxt is None or not inputs_in_run_dir(launch):
+        z, standby = self._zygote, self.standby
+        if standby is None or z is None or standby.proc is not z.proc:
             return None
-        if not self._standby_inside(standby):
+        if not inputs_in_run_dir(launch) or not self._zygote_inside(z):
             return None
+        env = sandbox_env(request.env, _bin())
+        if z.tenant is not None and z.tenant != request.tenant:
+            log.info("the warm trainer served another user's jobs; cold start, a new one after")
+            standby.take(env)
+            self._end_zygote()
+            return None
+        if not z.clean():  # never: the zygote reports a job's end once its sandbox is empty
+            log.warning("the warm trainer's sandbox is not empty; cold start, a new one after")
+            standby.take(env)
+            self._end_zygote()
+            return None
+        handed = standby.take(env)
+        if handed is None:  # dead, or started for another environment (and now ended)
+            self._end_zygote()
+            return None
+        z.pump = handed.pump
         try:
-            mirror(launch.run_dir, nxt)  # the run dir stays whole: a crash loses nothing
-            exchange(launch.run_dir, nxt)  # the run dir's name now holds the standby's /job
+            _empty(z.folder)  # links to the last job's files (its run dir holds them)
+            mirror(launch.run_dir, z.folder)  # the run dir stays whole: a crash loses nothing
+            exchange(launch.run_dir, z.folder)  # the run dir's name now holds the zygote's /job
         except OSError as e:
             log.warning("could not hand the warm trainer its run directory (%s); cold start", e)
-            with contextlib.suppress(OSError):
-                _empty(nxt)  # the standby waits on, its folder empty again
+            self._end_zygote()
             return None
-        self._next = None
-        shutil.rmtree(nxt, ignore_errors=True)  # the old tree: its files live on as links
+        old, z.folder, z.owns_folder = z.folder, launch.run_dir, False
+        shutil.rmtree(old, ignore_errors=True)  # the old tree: its files live on as links
         try:
             give_to(launch.run_dir, self.ident.owns())
             code = self._private_code(launch.code_dir, self.staging / "code")
         except OSError as e:
             log.warning("could not hand the warm trainer its code (%s); cold start", e)
+            self._end_zygote()
             return None
         inside = self._inside(launch, code, [])
-        go = go_message(inside, sandbox_env(request.env, _bin()), request.log_path)
-        handed = standby.hand_over(go, request.log_path)
-        if handed is None:
+        go = {**go_message(inside, env, request.log_path), "log": ""}
+        pump, w = piped_log(request.max_log_bytes, request.log_path)
+        # One still importing answers once its imports are done (still sooner than cold).
+        wait = READY_WAIT_S if handed.pump.ready.is_set() else IMPORT_WAIT_S
+        try:
+            child = z.start(go, w, wait)
+        finally:
+            os.close(w)
+        if child is None:
+            self._end_zygote()
+            pump.join(READY_WAIT_S)
             return None
-        init = self._inits.get(handed.proc.pid)
-        return SandboxTrainer(
-            handed.proc, request.log_path, oom_before, handed.pump, init, self._oom_count
-        )
+        z.tenant = request.tenant
+        return ZygoteTrainer(z, child, request.log_path, oom_before, pump, self._oom_count)
 
-    def _standby_inside(self, standby: Standby) -> bool:
-        """Its sandbox is set up (its mounts are made before bwrap starts the trainer in
+    def _reuse(self) -> Handed | None:
+        """The zygote back from its ended job, ready for the next (WarmTrainer.refill), or
+        None: it is ended and a new one starts. Its `/job` leaves the last run directory's
+        name the way it came in: the files are linked into a fresh folder that then takes
+        the run directory's name, so that name holds every file throughout."""
+        z = self._zygote
+        if z is None:
+            return None
+        why = (
+            "its job is still running" if z.poll() is None
+            else "it never took a job" if z.pump is None
+            else "its sandbox is not empty" if not z.clean()
+            else ""
+        )  # fmt: skip
+        if why:
+            log.info("the warm trainer is not taken back (%s); a new one starts", why)
+            self._end_zygote()
+            return None
+        pump = z.pump
+        assert pump is not None
+        runs = self._runs_root()
+        nxt: Path | None = None
+        try:
+            nxt = Path(tempfile.mkdtemp(prefix=f"{_next_prefix()}{os.getpid()}-", dir=runs))
+            st = os.stat(z.folder)
+            os.chmod(nxt, stat.S_IMODE(st.st_mode))
+            os.chown(nxt, st.st_uid, st.st_gid)
+            mirror(z.folder, nxt)
+            exchange(z.folder, nxt)
+        except OSError as e:
+            log.warning("could not take the warm trainer's folder back (%s); a new one starts", e)
+            if nxt is not None:
+                shutil.rmtree(nxt, ignore_errors=True)
+            self._end_zygote()
+            return None
+        z.folder, z.owns_folder, z.rc = nxt, True, None
+        return Handed(z.proc, pump)
+
+    def _end_zygote(self) -> None:
+        z, self._zygote = self._zygote, None
+        if z is None:
+            return
+        z.end()
+        if z.owns_folder:
+            shutil.rmtree(z.folder, ignore_errors=True)
+
+    def _end_input(self, proc: subprocess.Popen[bytes]) -> None:
+        """The worker is stopping: end of input makes the idle zygote exit 0."""
+        z = self._zygote
+        if z is not None and z.proc is proc:
+            z.sock.close()
+
+    def _zygote_inside(self, z: Zygote) -> bool:
+        """Its sandbox is set up (its mounts are made before bwrap starts the zygote in
         it): a hand-over before that could swap a folder bwrap has yet to bind."""
-        proc = standby.proc
-        init = self._inits.get(proc.pid) if proc is not None else None
-        if init is None:
+        if z.init_pid is None:
             return False
         deadline = time.monotonic() + READY_WAIT_S
         while time.monotonic() < deadline:
-            if _children(init):
+            if children(z.init_pid):
                 return True
             time.sleep(0.01)
         return False
 
     # ---- a start ------------------------------------------------------------------------
 
-    def start(self, request: LaunchRequest) -> LocalTrainer:
+    def start(self, request: LaunchRequest) -> TrainerHandle:
         ok = support()
         if not ok.ok:
             if request.runs_code:

@@ -50,6 +50,9 @@ class LaunchRequest:
     warm_ok: bool = False  # a warm standby may take it (one rank only)
     max_log_bytes: int = 256 * 1024**2  # TORCHYARD_MAX_LOG_BYTES
     runs_code: bool = False  # the job runs code named by its user (contracts JobSpec.runs_code)
+    # Whose job (a user's id; None: unknown): a warm trainer that served one user's job
+    # never serves another's (worker/zygote.py).
+    tenant: int | None = None
 
 
 class SandboxRefused(Exception):
@@ -104,6 +107,15 @@ class Standby(Protocol):
     starter: Callable[[dict[str, str], int], subprocess.Popen[bytes]]
     view: Callable[[dict[str, str]], dict[str, str]]
     cgroup: Any  # worker/cgroups.py TrainerCgroup | None: the slot's, set by its launcher
+    # A warm trainer that outlives its job (the sandbox's zygote) comes back through
+    # `reuse` (worker/standby.py Handed, or None); `end_input` tells an idle one to exit.
+    reuse: Callable[[], Any] | None
+    end_input: Callable[[subprocess.Popen[bytes]], None]
+
+    def take(self, env: dict[str, str]) -> Any | None:
+        """worker/standby.py Handed, no longer the slot's (its launcher gives it its job
+        itself), or None: start cold."""
+        ...
 
     def hand_over(self, go: dict[str, object], log_path: Path) -> Any | None:
         """worker/standby.py Handed (the process and its log pump), or None: start cold."""

@@ -221,9 +221,11 @@ class WorkerNode:
         try:
             started = run_assignment(self.ctx, aid)
         finally:
-            self._end_stragglers()
             if self.ctx.warm is not None and not self.ctx.stopping.is_set():
-                self.ctx.warm.refill()  # the trainer is gone: its cores are free for the import
+                # The trainer is gone: its cores are free for the import. First, so that
+                # a zygote taken back (worker/zygote.py) is the standby the kill spares.
+                self.ctx.warm.refill()
+            self._end_stragglers()
             if started:
                 try:
                     with session_scope(self.settings.db_url) as s:

@@ -82,6 +82,11 @@ def standby_argv() -> list[str]:
     return [sys.executable, "-m", "torchyard.trainer", "--standby"]
 
 
+def zygote_argv() -> list[str]:
+    """A warm trainer that serves job after job, each in a fork (trainer/zygote.py)."""
+    return [sys.executable, "-m", "torchyard.trainer", "--zygote"]
+
+
 def go_message(launch: Launch, env: dict[str, str], log_path: Path) -> dict[str, object]:
     """What a warm trainer is told instead of trainer_argv (one rank only): the same
     arguments, its whole environment, and the job log it appends its output to."""

@@ -19,6 +19,10 @@ its output (trainer/standby.py READY_LINE), which its log pump (`ReadyPump`) tak
 the stream until the hand-over. `ready()` is what the worker records in its row
 (`workers.warm_since`, worker/node.py) and placement prefers (scheduler/policy.py): a
 standby still importing, taken, or dead (its pipe ended) is not ready.
+
+The sandbox launcher's standby is a zygote (worker/zygote.py) that serves one job after
+another: its launcher `take`s it for a job and gives it back through `reuse` once the job
+has ended and the sandbox is clean, so `refill` starts nothing new.
 """
 
 from __future__ import annotations
@@ -116,6 +120,11 @@ class WarmTrainer:
         # job's go message is compared with.
         self.view: Callable[[dict[str, str]], dict[str, str]] = dict
         self.cgroup: TrainerCgroup | None = None  # the slot's memory cgroup (its launcher's)
+        # A launcher whose warm trainer outlives its job (the sandbox's zygote) gives it
+        # back here, ready for the next one, instead of a new one being started.
+        self.reuse: Callable[[], Handed | None] | None = None
+        # How a standby is told to exit (end of its input); a launcher may set its own.
+        self.end_input: Callable[[subprocess.Popen[bytes]], None] = _close_stdin
 
     def _plain(self, env: dict[str, str], out_fd: int) -> subprocess.Popen[bytes]:
         return spawn(
@@ -139,6 +148,10 @@ class WarmTrainer:
                 self.proc.returncode,
             )
             self.proc = None
+        if self.reuse is not None and (back := self.reuse()) is not None:
+            assert isinstance(back.pump, ReadyPump)
+            self.proc, self.pump = back.proc, back.pump  # a zygote, ready for its next job
+            return
         env = self._env_for()
         r, w = os.pipe()
         try:
@@ -170,17 +183,10 @@ class WarmTrainer:
         """The standby, now running the job `go` describes with its output in `log_path`;
         None when there is none ready (the caller starts the trainer cold). The standby is
         this job's from here on."""
-        proc, self.proc = self.proc, None
-        pump, self.pump = self.pump, None
-        if proc is None or pump is None:
+        handed = self.take(go["env"])  # type: ignore[arg-type]
+        if handed is None:
             return None
-        if proc.poll() is not None:
-            log.warning("warm trainer %d had exited (%s); cold start", proc.pid, proc.returncode)
-            return None
-        if _base(self._env) != _base(go["env"]):  # type: ignore[arg-type]
-            log.info("warm trainer %d was started for another environment; cold start", proc.pid)
-            _kill(proc)
-            return None
+        proc, pump = handed.proc, handed.pump
         assert proc.stdin is not None
         try:
             pump.retarget(log_path)
@@ -192,14 +198,29 @@ class WarmTrainer:
             return None
         return Handed(proc, pump)
 
+    def take(self, env: dict[str, str]) -> Handed | None:
+        """The live standby, no longer this slot's (its job's launcher gives it its job),
+        if it was started for `env` (as `view` shows it); None: start cold."""
+        proc, self.proc = self.proc, None
+        pump, self.pump = self.pump, None
+        if proc is None or pump is None:
+            return None
+        if proc.poll() is not None:
+            log.warning("warm trainer %d had exited (%s); cold start", proc.pid, proc.returncode)
+            return None
+        if _base(self._env) != _base(env):
+            log.info("warm trainer %d was started for another environment; cold start", proc.pid)
+            _kill(proc)
+            return None
+        return Handed(proc, pump)
+
     def close(self) -> None:
         """The worker is stopping: end of input makes the standby exit 0; reap it."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
         with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
+            self.end_input(proc)
         try:
             proc.wait(CLOSE_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -208,6 +229,11 @@ class WarmTrainer:
 
 def _base(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in PER_JOB_ENV}
+
+
+def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:

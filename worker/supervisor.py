@@ -493,6 +493,7 @@ class Supervision:
             warm_ok=launch.world_size == 1,
             max_log_bytes=self.ctx.settings.max_log_bytes,
             runs_code=runs_code(self.c.spec),
+            tenant=self.c.owner_id,
         )
 
     # ---- supervision --------------------------------------------------------------------

@@ -39,6 +39,7 @@ from torchyard.worker.sandbox import (
     support,
 )
 from torchyard.worker.standby import WarmTrainer
+from torchyard.worker.zygote import ZygoteTrainer
 
 needs_bwrap = pytest.mark.skipif(
     not support().ok and os.environ.get("CI") != "true", reason=f"no sandbox: {support().why}"
@@ -184,7 +185,7 @@ def test_a_real_trainer_runs_cold_and_warm_inside(tmp_path: Path) -> None:
     assert warm.proc is not None
     standby_pid = warm.proc.pid
     handed = launcher.start(_request(settings, runs / "2"))
-    assert handed.pid == standby_pid  # the warm one took it
+    assert isinstance(handed, ZygoteTrainer) and handed.zygote.proc.pid == standby_pid  # warm
     assert handed.wait(120) == 0, (runs / "2" / "output.log").read_text()
     assert '"finished"' in (runs / "2" / "events.jsonl").read_text()
     assert (runs / "2" / "spec.json").exists()  # the worker's files moved in with it
@@ -219,7 +220,7 @@ def test_a_resume_from_the_runs_own_checkpoint_is_handed_to_the_warm_trainer(
     resumed = dataclasses.replace(request.launch, resume=run / ckpts[0])
     again = dataclasses.replace(request, launch=resumed, warm_ok=True)
     handed = launcher.start(again)
-    assert handed.pid == standby_pid  # warm, although it resumes
+    assert isinstance(handed, ZygoteTrainer) and handed.zygote.proc.pid == standby_pid  # warm
     assert handed.wait(120) == 0, _read(run / "output.log")
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     started = [e for e in events if e["type"] == "started"]

@@ -1,0 +1,205 @@
+"""The sandboxed slot's zygote (trainer/zygote.py, worker/zygote.py): one warm trainer that
+runs job after job, each in a fork, inside one bubblewrap sandbox. Real sandboxes, real
+trainers: jobs of one user run back to back without a new import and keep every file of
+their run directories; what a hostile job leaves (a daemon that ignores SIGTERM, files in
+/tmp and /dev/shm, System V shared memory) is gone before the next job starts; the job
+cannot read the zygote's memory; another user's job never gets it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from specs import synthetic_spec
+
+from torchyard.settings import Settings
+from torchyard.worker.launch_sandbox import SandboxLauncher, SandboxTrainer
+from torchyard.worker.launcher import LaunchRequest
+from torchyard.worker.proc import Launch, slot_env, trainer_argv
+from torchyard.worker.sandbox import support
+from torchyard.worker.standby import WarmTrainer
+from torchyard.worker.zygote import ZygoteTrainer
+
+pytestmark = pytest.mark.skipif(
+    not support().ok and os.environ.get("CI") != "true", reason=f"no sandbox: {support().why}"
+)
+
+LEAVE_BEHIND = """
+import ctypes, os, signal, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+pid = os.fork()
+if pid == 0:  # a daemon: its own session, deaf to SIGTERM, forever
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open("/job/daemon.pid", "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+while not os.path.exists("/job/daemon.pid"):
+    time.sleep(0.01)
+open("/tmp/planted", "w").write("x")
+open("/dev/shm/planted", "w").write("x")
+os.makedirs("/tmp/locked/inner")
+os.chmod("/tmp/locked", 0)
+shm = libc.shmget(0, 4096, 0o1600)  # IPC_PRIVATE | IPC_CREAT, owner-only
+assert shm >= 0, ctypes.get_errno()
+print("LEFT", shm, flush=True)
+"""
+
+PROBE = """
+import json, os
+out = {"tmp": sorted(os.listdir("/tmp")), "shm": sorted(os.listdir("/dev/shm"))}
+out["sysv"] = open("/proc/sysvipc/shm").read().splitlines()[1:]
+me, parent = os.getpid(), os.getppid()
+out["others"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit()
+                       and int(p) not in (1, me, parent))
+for what in ("mem", "environ"):
+    try:
+        with open(f"/proc/{parent}/{what}", "rb") as f:
+            f.read(16)
+        out[what] = "READ"
+    except OSError as e:
+        out[what] = type(e).__name__
+print("PROBE " + json.dumps(out), flush=True)
+"""
+
+
+def _request(settings: Settings, run: Path, spec: dict[str, Any], code: Path | None = None,
+             tenant: int | None = 1) -> LaunchRequest:  # fmt: skip
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "spec.json").write_text(json.dumps(spec))
+    launch = Launch(spec_path=run / "spec.json", run_dir=run, code_dir=code)
+    return LaunchRequest(
+        launch=launch,
+        argv=trainer_argv(launch),
+        env=slot_env(settings, "", {}, attempt=1),
+        cwd=run,
+        log_path=run / "output.log",
+        warm_ok=True,
+        runs_code=code is not None,
+        tenant=tenant,
+    )
+
+
+def _script(name: str) -> dict[str, Any]:
+    return {"entrypoint": {"script": name}, "code": {"bundle": "0" * 64}}
+
+
+@pytest.fixture
+def slot(tmp_path: Path) -> Any:
+    settings = Settings(home=tmp_path / "home", storage_root=tmp_path / "storage")
+    warm = WarmTrainer(lambda: slot_env(settings, "", {}))
+    launcher = SandboxLauncher(settings, warm)
+    warm.refill()
+    yield settings, warm, launcher
+    warm.close()
+
+
+def _run(warm: WarmTrainer, launcher: SandboxLauncher, request: LaunchRequest) -> Any:
+    trainer = launcher.start(request)
+    rc = trainer.wait(120)
+    warm.refill()  # as the worker does once the job has ended
+    return trainer, rc
+
+
+def test_one_users_jobs_run_back_to_back_on_one_zygote(slot: Any) -> None:
+    settings, warm, launcher = slot
+    runs = settings.storage / "jobs"
+    zygote_pid = warm.proc.pid
+    inodes = {}
+    for n in ("1", "2", "3"):
+        trainer, rc = _run(warm, launcher, _request(settings, runs / n, synthetic_spec()))
+        assert isinstance(trainer, ZygoteTrainer), n
+        assert rc == 0, (runs / n / "output.log").read_text()
+        assert trainer.zygote.proc.pid == zygote_pid  # the same sandbox, no new import
+        events = (runs / n / "events.jsonl").read_text()
+        assert '"finished"' in events and (runs / n / "model.safetensors").exists()
+        inodes[n] = (runs / n / "model.safetensors").stat().st_ino
+    # Each run directory kept its files (the same files: links, never copies) after the
+    # zygote's /job moved on to the next job; the idle zygote's folder is its only one.
+    assert {n: (runs / n / "model.safetensors").stat().st_ino for n in inodes} == inodes
+    assert len(list(runs.glob(".next-*"))) == 1
+    assert warm.ready() or warm.proc.poll() is None
+
+
+@pytest.mark.hostile
+def test_what_a_job_leaves_is_gone_before_the_next_one(slot: Any, tmp_path: Path) -> None:
+    settings, warm, launcher = slot
+    runs = settings.storage / "jobs"
+    code = tmp_path / "bundle"
+    code.mkdir()
+    (code / "leave.py").write_text(LEAVE_BEHIND)
+    (code / "probe.py").write_text(PROBE)
+    zygote_pid = warm.proc.pid
+    _, rc = _run(warm, launcher, _request(settings, runs / "a", _script("leave.py"), code))
+    log = (runs / "a" / "output.log").read_text()
+    assert rc == 0 and "LEFT" in log, log
+    daemon_inside = int((runs / "a" / "daemon.pid").read_text())
+    assert daemon_inside > 1
+    assert warm.proc is not None and warm.proc.pid == zygote_pid  # taken back, clean
+    second, rc = _run(warm, launcher, _request(settings, runs / "b", _script("probe.py"), code))
+    log = (runs / "b" / "output.log").read_text()
+    assert rc == 0 and isinstance(second, ZygoteTrainer), log
+    assert second.zygote.proc.pid == zygote_pid
+    out = json.loads(next(x for x in log.splitlines() if x.startswith("PROBE "))[6:])
+    assert out["others"] == []  # the daemon is dead: nothing but init, zygote and itself
+    # (Only what leads to the data root, which lies under /tmp here, is left of /tmp.)
+    assert not {"planted", "locked"} & set(out["tmp"]), out
+    assert out["shm"] == [] and out["sysv"] == []
+    # The zygote is not dumpable: the job's code (the same user) cannot read its memory.
+    assert out["mem"] == "PermissionError" and out["environ"] == "PermissionError"
+
+
+def test_another_users_job_never_gets_the_zygote(slot: Any) -> None:
+    settings, warm, launcher = slot
+    runs = settings.storage / "jobs"
+    first, rc = _run(warm, launcher, _request(settings, runs / "1", synthetic_spec(), tenant=1))
+    assert isinstance(first, ZygoteTrainer) and rc == 0
+    served = first.zygote
+    other = launcher.start(_request(settings, runs / "2", synthetic_spec(), tenant=2))
+    assert isinstance(other, SandboxTrainer)  # cold, in a sandbox of its own
+    assert served.proc.poll() is not None  # the zygote that served user 1 is gone
+    assert other.wait(120) == 0, (runs / "2" / "output.log").read_text()
+    warm.refill()  # a fresh zygote, which user 2's next job may have
+    third = launcher.start(_request(settings, runs / "3", synthetic_spec(), tenant=2))
+    assert isinstance(third, ZygoteTrainer) and third.zygote is not served
+    assert third.wait(120) == 0
+
+
+def test_sigterm_reaches_the_forked_trainer_and_kill_ends_the_sandbox(slot: Any) -> None:
+    settings, warm, launcher = slot
+    runs = settings.storage / "jobs"
+    request = _request(settings, runs / "1", synthetic_spec(epochs=10_000))
+    trainer = launcher.start(request)
+    assert isinstance(trainer, ZygoteTrainer)
+    deadline = time.monotonic() + 60
+    while '"started"' not in _read(runs / "1" / "events.jsonl"):
+        assert time.monotonic() < deadline, _read(runs / "1" / "output.log")
+        time.sleep(0.05)
+    trainer.terminate()
+    assert trainer.wait(60) is not None
+    assert '"stopped"' in _read(runs / "1" / "events.jsonl")
+    warm.refill()
+    again = launcher.start(dataclasses.replace(request, log_path=runs / "1" / "again.log"))
+    assert isinstance(again, ZygoteTrainer) and again.zygote is trainer.zygote
+    deadline = time.monotonic() + 60
+    while _read(runs / "1" / "events.jsonl").count('"started"') < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    again.kill()  # the whole sandbox: the job and the zygote
+    assert again.wait(10) == -9
+    assert trainer.zygote.proc.poll() is not None
+    warm.refill()
+    assert warm.proc is not None and warm.proc is not trainer.zygote.proc  # a new one
+
+
+def _read(p: Path) -> str:
+    try:
+        return p.read_text()
+    except FileNotFoundError:
+        return ""
