@@ -6,18 +6,21 @@ A cold start binds the job's run directory at `/job`, a private copy of its code
 nothing a job writes can reach another job's import path), and its input files (init weights, a resume file
 from elsewhere) under `/inputs`, then runs the trainer with its paths rewritten to those.
 
-The slot's warm standby (worker/standby.py) is started inside a sandbox too, before its
-job is known: its `/job` is an empty folder `next` beside the run directories, its `/code`
-the slot's code folder. At the hand-over the run directory's files are hard-linked into
-`next`, the two swap names (one atomic `renameat2(RENAME_EXCHANGE)`), and the bundle is
-copied into the slot's code folder: the standby sees exactly its job's files where a
-cold trainer would. Since the links are made before the swap,
-the run directory's name holds every file at every instant: a worker killed mid-way
-leaves at most a tree of links (swept at its next start), never a checkpoint outside
-its run. A fresh start and a resume from the run's own checkpoint (a paused sweep trial,
-a preempted job on local storage) are handed over; a job whose inputs lie elsewhere
-(init weights, a checkpoint fetched into the host's cache) starts cold, since the
-standby's sandbox can no longer gain a bind.
+The slot's warm trainer (worker/standby.py) is a zygote (worker/zygote.py): one sandbox,
+started before its first job is known, that runs one user's one-rank jobs one after another,
+each in a fork. Its `/job` is a folder `.next-…` beside the run directories, its `/code` the
+slot's code folder. At each hand-over the run directory's files are hard-linked into the
+folder bound at `/job`, the two swap names (one atomic `renameat2(RENAME_EXCHANGE)`), and
+the bundle is copied into the slot's code folder: the child sees exactly its job's files
+where a cold trainer would. When the job has ended the folder leaves the same way (its files
+linked into a fresh `.next-…` folder, which takes the run directory's name), and is emptied
+at the next hand-over. Since links are always made before a swap, the run directory's name
+holds every file at every instant: a worker killed mid-way leaves at most a tree of links
+(swept at its next start), never a checkpoint outside its run. A fresh start and a resume
+from the run's own checkpoint (a paused sweep trial, a preempted job on local storage) are
+handed over; a job whose inputs lie elsewhere (init weights, a checkpoint fetched into the
+host's cache) starts cold, since the standing sandbox can no longer gain a bind, and so
+does another user's job (the zygote served this one's).
 
 Where the host cannot run bubblewrap (no user namespaces, no `bwrap`, macOS) the worker
 says so when it starts; built-in jobs then run as `local` ones, and a job that runs user
