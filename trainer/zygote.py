@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import re
 import shutil
@@ -242,6 +243,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=0)
     warm_up()
+    # The imports' objects leave the collector's view: a child's full collection then
+    # never writes to (and so copies) their pages.
+    gc.freeze()
     _prctl(PR_SET_DUMPABLE, 0)  # the jobs' code, the same user, cannot ptrace it
     say_ready()
     go = serve(sock)

@@ -152,6 +152,10 @@ def test_a_host_killed_mid_run_resumes_on_another_bitwise_equal(
     c = hosts.c
     job = c.submit(LONG)
     trainer = trainer_pid(c, job["id"])  # now: the run may be near its end by step 60
+    # Killed once its log reached the store (the worker ships it every second; a warm
+    # trainer reaches step 60 sooner than that): what the host had not shipped dies with it.
+    wait_for(lambda: "attempt 1, rank 0/1, worker a" in _rank_log(c, job["id"], 0), 60,
+             "attempt 1's log in the store")  # fmt: skip
     wait_for(lambda: checkpointed_and_running(c, job["id"], 60), 120, "a checkpoint at step 60")
     victim = running_worker(c, job["id"])
     assert victim == "a"

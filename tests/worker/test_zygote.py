@@ -51,6 +51,11 @@ assert shm >= 0, ctypes.get_errno()
 print("LEFT", shm, flush=True)
 """
 
+KILL_THE_ZYGOTE = """
+import os, signal
+os.kill(os.getppid(), signal.SIGKILL)  # permitted (the same user): it ends its own job
+"""
+
 PROBE = """
 import json, os
 out = {"tmp": sorted(os.listdir("/tmp")), "shm": sorted(os.listdir("/dev/shm"))}
@@ -203,3 +208,18 @@ def _read(p: Path) -> str:
         return p.read_text()
     except FileNotFoundError:
         return ""
+
+
+@pytest.mark.hostile
+def test_a_job_that_kills_its_zygote_only_ends_itself(slot: Any, tmp_path: Path) -> None:
+    settings, warm, launcher = slot
+    runs = settings.storage / "jobs"
+    code = tmp_path / "bundle"
+    code.mkdir()
+    (code / "kill.py").write_text(KILL_THE_ZYGOTE)
+    trainer, rc = _run(warm, launcher, _request(settings, runs / "a", _script("kill.py"), code))
+    assert isinstance(trainer, ZygoteTrainer) and rc == -9  # the namespace went, and it too
+    assert trainer.zygote.proc.poll() is not None
+    assert warm.proc is not None and warm.proc is not trainer.zygote.proc  # a fresh one
+    nxt, rc = _run(warm, launcher, _request(settings, runs / "b", synthetic_spec()))
+    assert isinstance(nxt, ZygoteTrainer) and rc == 0, (runs / "b" / "output.log").read_text()

@@ -69,21 +69,45 @@ def pid_alive(pid: int) -> bool:
 
 def processes_mentioning(needle: str, *, standbys: bool = True) -> list[int]:
     """Live pids whose command line contains `needle` (e.g. a job's run directory). An idle
-    warm standby's sandbox names the folder it will hand its job (`.next-…` beside the run
-    directories): `standbys=False` leaves those out, as they are no job's trainer."""
+    warm trainer's sandbox names the folder it will hand its job (`.next-…` beside the run
+    directories): `standbys=False` leaves those out, as they are no job's trainer (a
+    zygote's sandbox counts while the zygote has a forked job in it)."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
+        cmd = _cmdline(int(d.name))
         if not standbys and "torchyard.trainer --standby" in cmd:
+            continue
+        if not standbys and "torchyard.trainer --zygote" in cmd and _idle_zygote(int(d.name)):
             continue
         if needle in cmd and pid_alive(int(d.name)):
             out.append(int(d.name))
     return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return ""
+
+
+def _idle_zygote(pid: int) -> bool:
+    """`pid` is a zygote's sandbox (or in it) and the zygote runs no job: the one Python
+    process of its tree running `--zygote` is the zygote itself (its forks, a job and what
+    the job starts, keep its command line)."""
+    from torchyard.worker.zygote import children
+
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children(p))
+    pythons = [p for p in tree if not _cmdline(p).startswith("bwrap ")]  # not bwrap, its init
+    return sum("torchyard.trainer --zygote" in _cmdline(p) for p in pythons) <= 1
 
 
 class Cluster:
