@@ -51,6 +51,12 @@ def oom_kills(vmstat: Path = VMSTAT) -> int | None:
 OomCount = Callable[[], int | None]
 
 
+def oom_rose(before: int | None, count: OomCount) -> bool:
+    """The OOM-kill count has risen since `before` (its reading when the trainer started)."""
+    after = count()
+    return before is not None and after is not None and after > before
+
+
 def oom_counter(cgroup: TrainerCgroup | None) -> OomCount:
     """Where a trainer's OOM kills are counted: its cgroup's own counter, else the host's."""
     return cgroup.oom_kills if cgroup is not None else oom_kills
@@ -184,8 +190,7 @@ class LocalTrainer:
         signal_group(self.proc, signal.SIGKILL)
 
     def oom_killed(self) -> bool:
-        after = self._oom_count()
-        return self._oom_before is not None and after is not None and after > self._oom_before
+        return oom_rose(self._oom_before, self._oom_count)
 
 
 class LocalLauncher:

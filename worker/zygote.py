@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from torchyard.worker.launch_local import OomCount, signal_group
+from torchyard.worker.launch_local import OomCount, oom_rose, signal_group
 from torchyard.worker.logpump import LogPump
 from torchyard.worker.standby import ReadyPump
 
@@ -229,5 +229,4 @@ class ZygoteTrainer:
             self.zygote.end()
 
     def oom_killed(self) -> bool:
-        after = self._oom_count()
-        return self._oom_before is not None and after is not None and after > self._oom_before
+        return oom_rose(self._oom_before, self._oom_count)

@@ -91,6 +91,14 @@ def _request(settings: Settings, run: Path, spec: dict[str, Any], code: Path | N
     )
 
 
+def _bundle(tmp_path: Path, scripts: dict[str, str]) -> Path:
+    code = tmp_path / "bundle"
+    code.mkdir()
+    for name, text in scripts.items():
+        (code / name).write_text(text)
+    return code
+
+
 def _script(name: str) -> dict[str, Any]:
     return {"entrypoint": {"script": name}, "code": {"bundle": "0" * 64}}
 
@@ -136,10 +144,7 @@ def test_one_users_jobs_run_back_to_back_on_one_zygote(slot: Any) -> None:
 def test_what_a_job_leaves_is_gone_before_the_next_one(slot: Any, tmp_path: Path) -> None:
     settings, warm, launcher = slot
     runs = settings.storage / "jobs"
-    code = tmp_path / "bundle"
-    code.mkdir()
-    (code / "leave.py").write_text(LEAVE_BEHIND)
-    (code / "probe.py").write_text(PROBE)
+    code = _bundle(tmp_path, {"leave.py": LEAVE_BEHIND, "probe.py": PROBE})
     zygote_pid = warm.proc.pid
     _, rc = _run(warm, launcher, _request(settings, runs / "a", _script("leave.py"), code))
     log = (runs / "a" / "output.log").read_text()
@@ -214,9 +219,7 @@ def _read(p: Path) -> str:
 def test_a_job_that_kills_its_zygote_only_ends_itself(slot: Any, tmp_path: Path) -> None:
     settings, warm, launcher = slot
     runs = settings.storage / "jobs"
-    code = tmp_path / "bundle"
-    code.mkdir()
-    (code / "kill.py").write_text(KILL_THE_ZYGOTE)
+    code = _bundle(tmp_path, {"kill.py": KILL_THE_ZYGOTE})
     trainer, rc = _run(warm, launcher, _request(settings, runs / "a", _script("kill.py"), code))
     assert isinstance(trainer, ZygoteTrainer) and rc == -9  # the namespace went, and it too
     assert trainer.zygote.proc.poll() is not None
