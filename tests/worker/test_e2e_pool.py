@@ -26,13 +26,14 @@ from torchyard.store.models import JobEvent
 
 pytestmark = pytest.mark.e2e
 
-# A few seconds of training each, so eight of them queue up behind two workers.
+# A few seconds of training each (~1.5 s of steps: a warm slot starts one in ~0.2 s), so
+# eight of them queue up behind two workers for longer than their submits take.
 SHORT: dict[str, Any] = {
-    "model": {"name": "mlp", "hidden": [16]},
-    "data": {"name": "digits"},
+    "model": {"name": "mlp", "hidden": [512, 512]},
+    "data": {"name": "synthetic", "shape": [1, 28, 28], "size": 6400, "num_workers": 0},
     "optimizer": {"name": "sgd", "lr": 0.05},
-    "batch_size": 64,
-    "max_steps": 8,
+    "batch_size": 32,
+    "max_steps": 400,
     "checkpoint": {"every_epochs": None, "every_steps": None, "keep_last": 1},
 }
 # Long enough (800 steps, several seconds on one CPU thread) to be preempted mid-run, with a resume
