@@ -71,7 +71,13 @@ from torchyard.worker.sandbox import (
     support,
 )
 from torchyard.worker.standby import Handed
-from torchyard.worker.zygote import Zygote, ZygoteTrainer, children, socket_pair
+from torchyard.worker.zygote import (
+    Zygote,
+    ZygoteTrainer,
+    children,
+    folder_identity,
+    socket_pair,
+)
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +243,11 @@ class SandboxLauncher:
             standby.take(env)
             self._end_zygote()
             return None
+        if not z.holds(z.folder):  # never: the worker alone names the folder it owns
+            log.warning("the warm trainer's folder is not where it was left; cold start")
+            standby.take(env)
+            self._end_zygote()
+            return None
         if not z.clean():  # never: the zygote reports a job's end once its sandbox is empty
             log.warning("the warm trainer's sandbox is not empty; cold start, a new one after")
             standby.take(env)
@@ -294,6 +305,8 @@ class SandboxLauncher:
             else "its sandbox is not empty" if not z.clean()
             else ""
         )  # fmt: skip
+        if not why and not z.holds(z.folder):
+            why = "another attempt took its run directory over"
         if why:
             log.info("the warm trainer is not taken back (%s); a new one starts", why)
             self._end_zygote()
@@ -302,17 +315,24 @@ class SandboxLauncher:
         assert pump is not None
         runs = self._runs_root()
         nxt: Path | None = None
+        made: tuple[int, int] | None = None  # the fresh folder, whatever its name becomes
         try:
             nxt = Path(tempfile.mkdtemp(prefix=f"{_next_prefix()}{os.getpid()}-", dir=runs))
+            made = folder_identity(nxt)
             st = os.stat(z.folder)
             os.chmod(nxt, stat.S_IMODE(st.st_mode))
             os.chown(nxt, st.st_uid, st.st_gid)
             mirror(z.folder, nxt)
             exchange(z.folder, nxt)
+            if not z.holds(nxt):
+                # Another attempt took the run directory between the check and the swap:
+                # its folder goes back under the name at once, ours (links) is removed.
+                exchange(z.folder, nxt)
+                raise OSError("another attempt took its run directory over")
         except OSError as e:
             log.warning("could not take the warm trainer's folder back (%s); a new one starts", e)
-            if nxt is not None:
-                shutil.rmtree(nxt, ignore_errors=True)
+            if nxt is not None and made is not None and folder_identity(nxt) == made:
+                shutil.rmtree(nxt, ignore_errors=True)  # only ever the links it made
             self._end_zygote()
             return None
         z.folder, z.owns_folder, z.rc = nxt, True, None

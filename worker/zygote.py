@@ -49,6 +49,15 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def folder_identity(path: Path) -> tuple[int, int] | None:
+    """A folder's (device, inode): what it is, whichever name it goes by now."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def socket_pair() -> tuple[socket.socket, socket.socket]:
     """(the worker's end, the zygote's end: its fd 0). Message boundaries are kept, and
     the log pipe travels with its go message."""
@@ -65,6 +74,7 @@ class Zygote:
         self.sock = sock
         self.init_pid = init_pid
         self.folder = folder  # the folder bound at /job, under its current name
+        self.folder_id = folder_identity(folder)  # what /job binds, whatever its name
         self.owns_folder = True  # False while a run directory's name holds it
         self.tenant: int | None = None  # the user whose jobs it has served
         self.pump: ReadyPump | None = None  # its own output (the worker's stderr)
@@ -80,6 +90,12 @@ class Zygote:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def holds(self, path: Path) -> bool:
+        """`path` names the folder bound at this zygote's /job. Not so once another
+        worker's attempt took the run directory over (this worker frozen or cut off past
+        its lease): the name is then that attempt's, not this worker's to touch."""
+        return self.folder_id is not None and folder_identity(path) == self.folder_id
 
     def clean(self) -> bool:
         """Nothing runs in the sandbox but its init and an idle zygote: every process there

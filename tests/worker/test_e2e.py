@@ -268,6 +268,20 @@ def test_sigkilled_worker_job_resumes_elsewhere_bitwise_equal(
     c.wait_workers(2)
 
 
+def _started_elsewhere(c: Cluster, job_id: str, victim: str) -> bool:
+    from torchyard.store.models import Assignment
+
+    with c.session() as s:
+        pids = s.scalars(
+            select(Assignment.pid).where(
+                Assignment.job_id == job_id,
+                Assignment.worker_id != victim,
+                Assignment.pid.is_not(None),
+            )
+        ).all()
+    return bool(pids)
+
+
 def test_frozen_worker_trainer_stops_before_the_job_runs_elsewhere(
     cluster: Cluster, long_ref: dict[str, torch.Tensor]
 ) -> None:
@@ -285,6 +299,9 @@ def test_frozen_worker_trainer_stops_before_the_job_runs_elsewhere(
     try:
         wait_for(lambda: not pid_alive(trainer), 10, "the trainer to stop on its stale lease")
         wait_for(lambda: c.job(job["id"])["attempt"] == 2, 60, "the job to be re-queued")
+        # Thawed only once attempt 2's trainer has the run directory (a warm one took it
+        # over by name): the frozen worker, back, must leave that name alone.
+        wait_for(lambda: _started_elsewhere(c, job["id"], victim), 120, "attempt 2's trainer")
     finally:
         c.kill(victim, signal.SIGCONT)
     done = c.wait_state(job["id"], "succeeded", timeout=240)

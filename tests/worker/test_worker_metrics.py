@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 from promtext import Samples, labelled, parse, value
 from sqlalchemy import select
-from worker_cluster import Cluster, free_port, trainer_pid, wait_for
+from worker_cluster import Cluster, free_port, free_port_run, trainer_pid, wait_for
 from worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
@@ -118,7 +118,7 @@ def test_up_gives_the_scheduler_the_base_port_and_worker_i_base_plus_1_plus_i(
         Child("scheduler", [*me, "scheduler"], Path("s.log")),
         *(Child(f"worker-cpu{i}", [*me, "worker"], Path(f"w{i}.log")) for i in range(2)),
     ]
-    base = free_port()
+    base = free_port_run(3)
     up._metrics_ports(base, "127.0.0.1")
     ports = {c.name: c.argv[c.argv.index("--metrics-port") + 1] for c in up.children[1:]}
     assert ports == {"scheduler": str(base), "worker-cpu0": str(base + 1),

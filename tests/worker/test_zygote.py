@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import pytest
 from specs import synthetic_spec
 
 from torchyard.settings import Settings
-from torchyard.worker.launch_sandbox import SandboxLauncher, SandboxTrainer
+from torchyard.worker import launch_sandbox
+from torchyard.worker.launch_sandbox import SandboxLauncher, SandboxTrainer, exchange
 from torchyard.worker.launcher import LaunchRequest
 from torchyard.worker.proc import Launch, slot_env, trainer_argv
 from torchyard.worker.sandbox import support
@@ -226,3 +228,57 @@ def test_a_job_that_kills_its_zygote_only_ends_itself(slot: Any, tmp_path: Path)
     assert warm.proc is not None and warm.proc is not trainer.zygote.proc  # a fresh one
     nxt, rc = _run(warm, launcher, _request(settings, runs / "b", synthetic_spec()))
     assert isinstance(nxt, ZygoteTrainer) and rc == 0, (runs / "b" / "output.log").read_text()
+
+
+def _take_over(run: Path, theirs: Path) -> None:
+    """What another worker's hand-over does to a run directory once the job was given to
+    it: its zygote's folder takes the name (one exchange), and it removes what the old
+    name held (this worker's zygote's folder: its files live on as links)."""
+    theirs.mkdir()
+    (theirs / "theirs.txt").write_text("attempt 2")
+    exchange(run, theirs)
+    shutil.rmtree(theirs)
+
+
+def test_a_run_directory_another_attempt_took_over_is_left_alone(slot: Any) -> None:
+    """A worker frozen or cut off past its lease finds, once back, that its job's run
+    directory is another attempt's: it must not take its zygote's folder back through that
+    name (that swapped the live attempt's files out, and the job lost its final weights)."""
+    settings, warm, launcher = slot
+    runs = settings.storage / "jobs"
+    trainer = launcher.start(_request(settings, runs / "1", synthetic_spec()))
+    assert isinstance(trainer, ZygoteTrainer) and trainer.wait(120) == 0
+    _take_over(runs / "1", runs / "other")
+    taken = (runs / "1").stat().st_ino
+    warm.refill()
+    assert (runs / "1" / "theirs.txt").read_text() == "attempt 2"
+    assert (runs / "1").stat().st_ino == taken  # the name still holds their folder
+    assert trainer.zygote.proc.poll() is not None  # not taken back: a new one instead
+    assert warm.proc is not None and warm.proc is not trainer.zygote.proc
+    nxt = launcher.start(_request(settings, runs / "2", synthetic_spec()))
+    assert isinstance(nxt, ZygoteTrainer) and nxt.wait(120) == 0
+    assert (runs / "2" / "model.safetensors").exists()
+
+
+def test_a_take_over_racing_the_swap_back_is_undone(
+    slot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other attempt's hand-over lands between the check and the swap: the swap's
+    result is checked too, and its folder goes back under the run directory's name."""
+    settings, warm, launcher = slot
+    runs = settings.storage / "jobs"
+    trainer = launcher.start(_request(settings, runs / "1", synthetic_spec()))
+    assert isinstance(trainer, ZygoteTrainer) and trainer.wait(120) == 0
+    real_mirror = launch_sandbox.mirror
+
+    def mirror_then_taken(src: Path, dst: Path) -> None:
+        real_mirror(src, dst)
+        if src == runs / "1":
+            _take_over(runs / "1", runs / "other")
+
+    monkeypatch.setattr(launch_sandbox, "mirror", mirror_then_taken)
+    warm.refill()
+    assert (runs / "1" / "theirs.txt").read_text() == "attempt 2"
+    assert not (runs / "1" / "model.safetensors").exists()  # theirs only, no stale links
+    assert trainer.zygote.proc.poll() is not None
+    assert not [p for p in runs.glob(".next-*") if (p / "model.safetensors").exists()]

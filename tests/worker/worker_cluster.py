@@ -40,6 +40,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_run(n: int) -> int:
+    """A base port with `n` consecutive free ports from it (a free port's neighbour may
+    well be taken: a lone free_port() + 1 failed once in CI)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n - 1 > 65535:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def wait_for(cond: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
     """Poll `cond` until it returns something truthy; fail naming `what` on timeout."""
     deadline = time.monotonic() + timeout
