@@ -188,7 +188,11 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=30, help="epochs of an unpruned trial")
     p.add_argument("--seeds", default="0,1,2", help="the sampler's seeds, one pair each")
     p.add_argument("--sampler", default="random", choices=["random", "tpe"])
-    p.add_argument("--pruners", default="asha,halving", help="each compared with none")
+    p.add_argument(
+        "--pruners",
+        default="asha,halving",
+        help="each compared with none (`none` alone: the unpruned sweeps only, for --record)",
+    )
     p.add_argument("--record", type=Path, help="write each trial's curve here (sweep_replay.py)")
     p.add_argument(
         "--workers",
@@ -199,9 +203,11 @@ def main() -> int:
     )
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    args.pruners = [x for x in args.pruners.split(",") if x]
-    if not args.pruners or not set(args.pruners) <= {"asha", "median", "halving"}:
-        p.error("--pruners: a comma-separated list of asha, median, halving")
+    args.pruners = [x for x in args.pruners.split(",") if x and x != "none"]
+    if not set(args.pruners) <= {"asha", "median", "halving"}:
+        p.error("--pruners: a comma-separated list of asha, median, halving (or none)")
+    if not args.pruners and not args.record:
+        p.error("--pruners none only records: give --record")
 
     tmp = Path(tempfile.mkdtemp(prefix="ty-sweep-bench-"))
     extra = {"TORCHYARD_HEARTBEAT_INTERVAL_S": "2", "TORCHYARD_HEARTBEAT_TIMEOUT_S": "20"}

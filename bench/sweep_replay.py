@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -130,11 +131,34 @@ def replay_asha(trials: list[Trial], epochs: int, slots: int) -> Outcome:
     return Outcome(spent, max(finals, default=None))
 
 
-def replay_sync(trials: list[Trial], epochs: int, resume_s: float) -> Outcome:
-    """Synchronous halving: all that reach a rung wait there; the best max(1, n // r) go on."""
-    plan = rung_plan("asha", "objective")
-    assert plan is not None
-    rungs = [r for r in plan.rungs if r < epochs]
+@dataclass(frozen=True)
+class Schedule:
+    """Synchronous halving's knobs: the first rung, the reduction between rungs, and the
+    fewest trials any rung lets go on."""
+
+    min_resource: int = 1
+    reduction: int = ASHA_REDUCTION
+    floor: int = 1
+
+    def rungs(self, epochs: int) -> list[int]:
+        out, r = [], self.min_resource
+        while r < epochs:
+            out.append(r)
+            r *= self.reduction
+        return out
+
+    def keep(self, n: int) -> int:
+        return min(n, max(self.floor, n // self.reduction))
+
+    def __str__(self) -> str:
+        return f"min {self.min_resource} r {self.reduction} floor {self.floor}"
+
+
+def replay_sync(
+    trials: list[Trial], epochs: int, resume_s: float, schedule: Schedule = Schedule()
+) -> Outcome:
+    """Synchronous halving: all that reach a rung wait there; the best keep(n) go on."""
+    rungs = schedule.rungs(epochs)
     alive = [i for i, t in enumerate(trials) if t.curve]
     spent = sum(t.failed_s + t.overhead_s for t in trials)
     restarts, reached = 0, 0
@@ -142,7 +166,7 @@ def replay_sync(trials: list[Trial], epochs: int, resume_s: float) -> Outcome:
         spent += sum((rung - reached) * trials[i].epoch_s for i in alive)
         if rung == epochs:
             break
-        keep = max(len(alive) // ASHA_REDUCTION, 1)
+        keep = schedule.keep(len(alive))
         cut = sorted((trials[i].curve[rung - 1] for i in alive), reverse=True)[keep - 1]
         going = [i for i in alive if trials[i].curve[rung - 1] >= cut]
         if len(alive) > 1:  # a lone trial never waits: it goes on at once
@@ -165,6 +189,33 @@ def winner_ranks(trials: list[Trial], epochs: int) -> str:
     return f"winner's rank of {len(done)}: " + ", ".join(ranks)
 
 
+def grid(args: argparse.Namespace, epochs: int, seeds: dict[str, list[Trial]]) -> int:
+    """Every schedule of the grid on every seed, best first: seeds met (gap <= one
+    validation sample and <= 0.3x worker-seconds), the worst ratio and the worst gap."""
+    rows = []
+    for m, r, f in itertools.product((1, 2, 3), (2, 3, 4), (1, 2, 3)):
+        sched = Schedule(m, r, f)
+        met, ratios, gaps, missed = 0, [], [], []
+        for seed, trials in seeds.items():
+            base = unpruned(trials, epochs)
+            assert base.best is not None
+            o = replay_sync(trials, epochs, args.resume_s, sched)
+            ratio = o.worker_s / base.worker_s
+            gap = (base.best - (o.best or 0.0)) * args.val_samples
+            ratios.append(ratio)
+            gaps.append(gap)
+            if ratio <= 0.3 and gap <= 1.0 + 1e-9:
+                met += 1
+            else:
+                missed.append(seed)
+        rows.append((met, -max(ratios), sched, max(ratios), max(gaps), missed))
+    rows.sort(key=lambda row: (row[0], row[1]), reverse=True)
+    print(f"{len(seeds)} seeds; schedule: seeds met, worst ratio, worst gap (samples), missed")
+    for met, _, sched, worst, gap, missed in rows:
+        print(f"  {sched!s:<22} {met:>2}  {worst:.3f}x  {gap:4.1f}  {','.join(missed)}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("curves", type=Path, help="a file written by sweep_bench.py --record")
@@ -177,10 +228,18 @@ def main() -> int:
     )
     p.add_argument("--resume-s", type=float, default=3.0, help="a restart from a checkpoint")
     p.add_argument("--val-samples", type=int, default=360, help="digits' validation set")
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="synchronous halving over first rungs 1-3, reductions 2-4, floors 1-3: per "
+        "schedule, the seeds where it keeps the best within one sample at <= 0.3x",
+    )
     args = p.parse_args()
     epochs, seeds = load(args.curves, args.overhead_s)
     print(f"{epochs} epochs, {args.slots} slots, restart {args.resume_s} s; worker-seconds "
           "modelled from each trial's measured epoch time and start")  # fmt: skip
+    if args.grid:
+        return grid(args, epochs, seeds)
     for seed, trials in seeds.items():
         base = unpruned(trials, epochs)
         assert base.best is not None

@@ -238,18 +238,10 @@ class SandboxLauncher:
         if not inputs_in_run_dir(launch) or not self._zygote_inside(z):
             return None
         env = sandbox_env(request.env, _bin())
-        if z.tenant is not None and z.tenant != request.tenant:
-            log.info("the warm trainer served another user's jobs; cold start, a new one after")
-            standby.take(env)
-            self._end_zygote()
-            return None
-        if not z.holds(z.folder):  # never: the worker alone names the folder it owns
-            log.warning("the warm trainer's folder is not where it was left; cold start")
-            standby.take(env)
-            self._end_zygote()
-            return None
-        if not z.clean():  # never: the zygote reports a job's end once its sandbox is empty
-            log.warning("the warm trainer's sandbox is not empty; cold start, a new one after")
+        refused = _refusal(z, request)
+        if refused is not None:
+            level, why = refused
+            log.log(level, "%s; cold start, a new one after", why)
             standby.take(env)
             self._end_zygote()
             return None
@@ -459,6 +451,17 @@ class SandboxLauncher:
             give_to(folder, self.ident.owns())
         inputs.append((host, inside))
         return inside
+
+
+def _refusal(z: Zygote, request: LaunchRequest) -> tuple[int, str] | None:
+    """Why the zygote may not take this job (log level, reason), or None."""
+    if z.tenant is not None and z.tenant != request.tenant:
+        return logging.INFO, "the warm trainer served another user's jobs"
+    if not z.holds(z.folder):  # never: the worker alone names the folder it owns
+        return logging.WARNING, "the warm trainer's folder is not where it was left"
+    if not z.clean():  # never: the zygote reports a job's end once its sandbox is empty
+        return logging.WARNING, "the warm trainer's sandbox is not empty"
+    return None
 
 
 def inputs_in_run_dir(launch: Launch) -> bool:
