@@ -18,7 +18,7 @@ Per sweep: the best val/accuracy of a complete trial and the worker-seconds used
 over its trials' attempts of (ended - started) x world_size: a paused trial's hand-back
 and its restart count). Per seed and pruner: pruner/none worker-seconds and the best-value
 gap. Goals (issue 27): the pruned search's best the same as the unpruned one's (within
-GOAL_BEST_WITHIN, i.e. at most one validation sample in 360) at <= 0.3x its
+GOAL_BEST_WITHIN, i.e. at most one validation sample in 359) at <= 0.3x its
 worker-seconds, for every seed.
 
 Latencies, from each trial's events file (the trainer's own clock) and the store:
@@ -58,7 +58,7 @@ from torchyard.client.sdk import Client
 from torchyard.contracts.rungs import verdict_file
 from torchyard.store.paths import EVENTS_FILE, job_dir
 
-GOAL_BEST_WITHIN = 0.003  # one validation sample of digits' 360 is 0.0028
+GOAL_BEST_WITHIN = 0.003  # one validation sample of digits' 359 is 0.0028
 GOAL_RATIO = 0.3
 GOAL_FIRST_STEP_S = 0.5
 GOAL_STOP_S = 1.0
