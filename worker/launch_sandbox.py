@@ -16,7 +16,9 @@ where a cold trainer would. When the job has ended the folder leaves the same wa
 linked into a fresh `.next-…` folder, which takes the run directory's name), and is emptied
 at the next hand-over. Since links are always made before a swap, the run directory's name
 holds every file at every instant: a worker killed mid-way leaves at most a tree of links
-(swept at its next start), never a checkpoint outside its run. A fresh start and a resume
+(swept at its next start), never a checkpoint outside its run. The zygote's folder is
+known by its inode (`Zygote.holds`): a worker back from a freeze whose job went to another
+attempt meanwhile finds that attempt's folder under the run directory's name, and leaves it. A fresh start and a resume
 from the run's own checkpoint (a paused sweep trial, a preempted job on local storage) are
 handed over; a job whose inputs lie elsewhere (init weights, a checkpoint fetched into the
 host's cache) starts cold, since the standing sandbox can no longer gain a bind, and so
