@@ -37,6 +37,7 @@ from fastapi import FastAPI
 from sqlalchemy import event
 
 from torchyard.api.app import create_app
+from torchyard.api.streams import RECHECK_S
 from torchyard.settings import Settings
 from torchyard.store.auth import create_token, get_or_create_user
 from torchyard.store.db import dispose_engines, session_scope
@@ -51,15 +52,27 @@ RETRIES: list[int] = []  # connects shed with 503 and retried
 
 @dataclass
 class StatementCounter:
-    """SQL statements on one engine, total and feed polls (one metrics SELECT each)."""
+    """SQL statements on one engine: in all, feed polls (one metrics SELECT each), and
+    open streams' re-checks that the job is still theirs to see (a jobs row, after a BEGIN
+    on SQLite; every RECHECK_S per stream: a per-follower cost by design, counted apart
+    from the poller's)."""
 
     total: int = 0
     polls: int = 0
+    rechecks: int = 0  # re-checks' statements, their BEGINs included
+    _begun: set[int] = field(default_factory=set)  # connections whose last statement: BEGIN
 
     def __call__(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         self.total += 1
-        if statement.lstrip().upper().startswith("SELECT") and "FROM metrics" in statement:
+        head = statement.lstrip().upper()
+        begun = id(conn) in self._begun
+        self._begun.discard(id(conn))
+        if head.startswith("BEGIN"):
+            self._begun.add(id(conn))
+        elif head.startswith("SELECT") and "FROM metrics" in statement:
             self.polls += 1
+        elif head.startswith("SELECT JOBS.ID, JOBS.OWNER_ID"):
+            self.rechecks += 2 if begun else 1
 
 
 @dataclass
@@ -70,7 +83,8 @@ class FollowResult:
     sequences: int  # distinct id sequences among followers (1: all saw the same stream)
     ticks: int  # poller iterations while streaming
     polls: int  # store polls (poller's and followers' own) while streaming
-    statements: int  # SQL statements on the read engine while streaming
+    statements: int  # SQL statements on the read engine while streaming, re-checks included
+    rechecks: int  # of those, the open streams' visibility re-checks' (every RECHECK_S each)
     connect_statements: int  # SQL statements while the followers connected
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
@@ -218,7 +232,9 @@ async def measure(
             t0 = time.monotonic()
             tasks, ready = await _follow_all(
                 port, job_id, token, followers,
-                lambda: marks.update(c=counter.total, p=counter.polls, h=hub.polls),
+                lambda: marks.update(
+                    c=counter.total, p=counter.polls, r=counter.rechecks, h=hub.polls
+                ),
             )  # fmt: skip
             await asyncio.wait_for(ready.wait(), 120)
             connect_s = time.monotonic() - t0
@@ -243,6 +259,7 @@ async def measure(
         ticks=hub.polls - marks["h"],
         polls=counter.polls - marks["p"],
         statements=counter.total - marks["c"],
+        rechecks=counter.rechecks - marks["r"],
         connect_statements=marks["c"],
         seconds=elapsed,
         extra={"connect_s": connect_s, "connect_polls": marks["h"], "shed": len(RETRIES)},
@@ -265,8 +282,9 @@ def report(r: FollowResult) -> None:
     )
     print(
         f"streaming {r.seconds:.2f} s: {r.ticks} poller ticks, {r.polls} store polls, "
-        f"{r.statements} SQL statements -> polls/tick = {r.polls / max(1, r.ticks):.2f}, "
-        f"statements/tick = {r.statements / max(1, r.ticks):.2f}"
+        f"{r.statements} SQL statements ({r.rechecks} of them the streams' re-checks, each "
+        f"every {RECHECK_S:g} s) -> polls/tick = {r.polls / max(1, r.ticks):.2f}, "
+        f"poller statements/tick = {(r.statements - r.rechecks) / max(1, r.ticks):.2f}"
     )
 
 
@@ -301,6 +319,8 @@ def main() -> int:
             database_url=url,
             storage_root=Path(home) / "storage",
             broker_url=None,
+            # one user follows N times here; the per-user cap (20 by default) would 429 it
+            max_streams_per_user=args.followers,
         )
         app = create_app(settings)
         app.state.feed_poll_s = args.poll_s
