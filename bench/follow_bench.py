@@ -53,9 +53,10 @@ RETRIES: list[int] = []  # connects shed with 503 and retried
 @dataclass
 class StatementCounter:
     """SQL statements on one engine: in all, feed polls (one metrics SELECT each), and
-    open streams' re-checks that the job is still theirs to see (a jobs row, after a BEGIN
-    on SQLite; every RECHECK_S per stream: a per-follower cost by design, counted apart
-    from the poller's)."""
+    open streams' re-checks (each stream every RECHECK_S: that the job is still theirs to
+    see, a jobs row; that their token still stands, a users row once the token cache's
+    entry is older than TOKEN_CACHE_TTL_S; each after a BEGIN on SQLite): a per-follower
+    cost by design, counted apart from the poller's."""
 
     total: int = 0
     polls: int = 0
@@ -71,7 +72,7 @@ class StatementCounter:
             self._begun.add(id(conn))
         elif head.startswith("SELECT") and "FROM metrics" in statement:
             self.polls += 1
-        elif head.startswith("SELECT JOBS.ID, JOBS.OWNER_ID"):
+        elif head.startswith(("SELECT JOBS.ID, JOBS.OWNER_ID", "SELECT USERS.")):
             self.rechecks += 2 if begun else 1
 
 
