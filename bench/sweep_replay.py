@@ -6,7 +6,10 @@ worker-seconds, and which best it would have kept, on the same trials' real curv
         [--seeds 9,10,11] [--grid]
 
 bench/records/digits-16x30-none-seeds0-11.json holds the unpruned sweeps of seeds 0-11
-(`sweep_bench.py --pruners none --seeds 0,...,11`, 16 trials, 30 epochs).
+(`sweep_bench.py --pruners none --seeds 0,...,11`, 16 trials, 30 epochs);
+bench/records/digits-16x30-reseeds.json the final values of each seed's winner and of
+the trial `sync` keeps, trained with training seeds 0-4 (--reseeded prints the gap of
+their means: one run's value is one draw, sd ~0.5-1 sample).
 
 A model on measurements, not a measurement: each trial's objective curve and epoch time
 were measured (the unpruned sweep ran every trial to its end). The replay runs the trials
@@ -57,6 +60,7 @@ class Outcome:
     worker_s: float
     best: float | None  # the best complete trial's final value
     restarts: int = 0
+    pick: int | None = None  # that trial's number (where the rule says)
 
 
 def load(path: Path, overhead_s: float) -> tuple[int, dict[str, list[Trial]]]:
@@ -85,7 +89,9 @@ def load(path: Path, overhead_s: float) -> tuple[int, dict[str, list[Trial]]]:
 
 def unpruned(trials: list[Trial], epochs: int) -> Outcome:
     spent = sum(t.failed_s or t.overhead_s + epochs * t.epoch_s for t in trials)
-    return Outcome(spent, max((t.curve[-1] for t in trials if t.curve), default=None))
+    done = [i for i, t in enumerate(trials) if t.curve]
+    pick = max(done, key=lambda i: trials[i].curve[-1]) if done else None
+    return Outcome(spent, trials[pick].curve[-1] if pick is not None else None, pick=pick)
 
 
 def replay_asha(trials: list[Trial], epochs: int, slots: int) -> Outcome:
@@ -177,7 +183,22 @@ def replay_sync(
             restarts += len(going)
             spent += resume_s * len(going)
         alive, reached = going, rung
-    return Outcome(spent, max(trials[i].curve[-1] for i in alive), restarts)
+    pick = max(alive, key=lambda i: trials[i].curve[-1])
+    return Outcome(spent, trials[pick].curve[-1], restarts, pick)
+
+
+def mean_gap(draws: dict[str, list[int]], winner: int | None, pick: int | None) -> str:
+    """', gap of the means …' where `draws` (correct samples per training seed, by trial
+    number) holds both trials; '' otherwise."""
+    if winner is None or pick is None:
+        return ""
+    if winner == pick:
+        return ", the same trial"
+    a, b = draws.get(str(winner)), draws.get(str(pick))
+    if not a or not b:
+        return ""
+    gap = sum(a) / len(a) - sum(b) / len(b)
+    return f", gap of the means over {len(a)} training seeds {gap:+.1f} samples"
 
 
 def winner_ranks(trials: list[Trial], epochs: int) -> str:
@@ -236,6 +257,13 @@ def main() -> int:
     )
     p.add_argument("--seeds", help="only these recorded seeds (e.g. ones held out of a choice)")
     p.add_argument(
+        "--reseeded",
+        type=Path,
+        help="trials trained again with other training seeds (bench/records/"
+        "digits-16x30-reseeds.json): where it holds both sync's pick and the unpruned "
+        "winner, the gap of their means too",
+    )
+    p.add_argument(
         "--grid",
         action="store_true",
         help="synchronous halving over first rungs 1-3, reductions 2-4, floors 1-3: per "
@@ -243,6 +271,7 @@ def main() -> int:
     )
     args = p.parse_args()
     epochs, seeds = load(args.curves, args.overhead_s)
+    reseeded = json.loads(args.reseeded.read_text())["seeds"] if args.reseeded else {}
     if args.seeds:
         wanted = set(args.seeds.split(","))
         seeds = {k: v for k, v in seeds.items() if k in wanted}
@@ -263,7 +292,8 @@ def main() -> int:
             gap = (base.best - (o.best or 0.0)) * args.val_samples
             print(f"  {name:>4}: {o.worker_s / base.worker_s:.3f}x worker-seconds, best "
                   f"{o.best:.5f}, gap {gap:.1f} validation samples"
-                  + (f", {o.restarts} restarts" if name == "sync" else ""))  # fmt: skip
+                  + (f", {o.restarts} restarts" if name == "sync" else "")
+                  + mean_gap(reseeded.get(seed, {}), base.pick, o.pick))  # fmt: skip
     return 0
 
 
