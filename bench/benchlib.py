@@ -43,6 +43,23 @@ TINY: dict[str, Any] = {
 }
 
 
+def sandbox_line() -> str:
+    """How this host's workers confine trainers, for a bench's output: without bubblewrap
+    a slot's warm trainer is a one-shot standby, not a zygote, so start times and
+    worker-seconds are not those of a sandboxed pool (a fresh machine here lacks it until
+    scripts/test.sh installs it)."""
+    from torchyard.worker.sandbox import support
+
+    ok = support()
+    if ok.ok:
+        return "trainers sandboxed (bubblewrap): a slot's warm trainer is a zygote"
+    return (
+        f"NOTE: trainers run unsandboxed here ({ok.why}): a slot's warm trainer is a "
+        "one-shot standby, not a zygote, so most jobs start cold (~5 s on 2 cores); these "
+        "figures are not a sandboxed pool's"
+    )
+
+
 def pct(xs: list[float], q: float) -> float:
     """The q-th percentile (nearest rank) of xs."""
     xs = sorted(xs)

@@ -292,6 +292,7 @@ def main() -> int:
 
 def report(runs: dict[str, list[Run]], args: argparse.Namespace, load: float) -> None:
     last = runs["s3"][-1]
+    print(benchlib.sandbox_line())
     print(
         f"mlp {args.hidden} on 1x28x28, batch {args.batch_size}, {args.steps} steps, "
         f"checkpoint every {args.every} ({last.checkpoint_bytes / 1e6:.1f} MB each, "

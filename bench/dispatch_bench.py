@@ -175,6 +175,7 @@ def main() -> int:
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))
     backend = "SQLite + filesystem broker" if args.embedded else "PostgreSQL + Redis"
     print(f"backend: {backend}; {args.jobs} jobs; {os.cpu_count()} CPUs")
+    print(benchlib.sandbox_line())
     for k, xs in d.items():
         print(
             f"{k:>16}: p50 {benchlib.pct(xs, 50):7.1f} ms   p95 {benchlib.pct(xs, 95):7.1f} ms   max {max(xs):7.1f} ms"

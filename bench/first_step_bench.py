@@ -100,6 +100,7 @@ def main() -> int:
     print(
         f"backend: SQLite + filesystem broker; one idle CPU worker; {args.repeats} x {args.rounds}"
     )
+    print(benchlib.sandbox_line())
     med: dict[str, dict[str, float]] = {}
     for kind, rows in res.items():
         med[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}

@@ -70,7 +70,6 @@ from worker_cluster import Cluster, wait_for
 from torchyard.client.sdk import Client
 from torchyard.contracts.rungs import verdict_file
 from torchyard.store.paths import EVENTS_FILE, job_dir
-from torchyard.worker.sandbox import support
 
 GOAL_BEST_WITHIN = 0.003  # one validation sample of digits' 359 is 0.0028
 VAL_SAMPLES = 359
@@ -286,9 +285,7 @@ def main() -> int:
     if not args.pruners and not args.record:
         p.error("--pruners none only records: give --record")
 
-    confined = support()
-    if not confined.ok:  # said before the ~40 minutes, and again with the figures
-        print(f"note: {_unconfined(confined.why)}", file=sys.stderr, flush=True)
+    print(benchlib.sandbox_line(), file=sys.stderr, flush=True)  # before the ~40 minutes
     tmp = Path(tempfile.mkdtemp(prefix="ty-sweep-bench-"))
     extra = {"TORCHYARD_HEARTBEAT_INTERVAL_S": "2", "TORCHYARD_HEARTBEAT_TIMEOUT_S": "20"}
     c = Cluster(tmp, extra_env=extra)  # SQLite + filesystem broker
@@ -337,20 +334,10 @@ def record(args: argparse.Namespace, results: list[tuple[int, dict[str, Any]]]) 
     args.record.write_text(json.dumps(out, indent=1))
 
 
-def _unconfined(why: str) -> str:
-    return (
-        f"trainers run unsandboxed here ({why}): a slot's warm trainer is then a one-shot "
-        "standby, not a zygote, so most trials start cold (~5 s each on 2 cores) and the "
-        "worker-seconds and first-step figures are not those of a sandboxed pool"
-    )
-
-
 def summarise(args: argparse.Namespace, results: list[tuple[int, dict[str, Any]]]) -> int:
     print(f"backend: SQLite + filesystem broker; {args.workers} CPU workers; {args.trials} trials, "
           f"{args.parallel} at once, {args.epochs} epochs, {args.sampler} sampler")  # fmt: skip
-    confined = support()
-    print("trainers sandboxed (bubblewrap), warm trainers are zygotes" if confined.ok
-          else f"NOTE: {_unconfined(confined.why)}")  # fmt: skip
+    print(benchlib.sandbox_line())
     met = {name: True for name in args.pruners}
     for seed, runs in results:
         print(f"seed {seed}:")
