@@ -24,14 +24,15 @@ worker-seconds, for every seed.
 "The same best" is judged on what each search found, a configuration, not on one draw of
 it: a sweep's best is the highest of its complete trials' final values, each one training
 run (one training seed) of its configuration, so the unpruned sweep's (the highest of ~15
-draws) is biased up by the pick itself, and the best of a pruned sweep's 2-5 complete
+draws) is biased up by the pick itself, and the best of a pruned sweep's 1-5 complete
 trials less so. With --reseeds K (default 4) the best configuration of each sweep is
 trained again, as ordinary jobs on the same cluster, with training seeds 1..K; the gap
 is between the means of the K+1 final values (its own and the K new ones; a
 configuration both sweeps found is trained once). Both gaps are printed: the draw's
 ("raw") and the means' (with the standard error of their difference); the goal is
-judged on the means. Training-seed noise of digits' best configurations here: a standard
-deviation of 0.5-0.8 validation samples (2.2 for an lr-0.1 one), measured with 5 seeds.
+judged on the means. Training-seed noise of digits' good configurations here: a standard
+deviation of up to ~1 validation sample (1.8 and 2.2 for two of 25; 5 seeds each,
+bench/records/digits-16x30-reseeds.json).
 
 Latencies, from each trial's events file (the trainer's own clock) and the store:
 - placed -> first step: the attempt's creation (the scheduler placed it) to the trainer's

@@ -9,7 +9,7 @@ bench/records/digits-16x30-none-seeds0-11.json holds the unpruned sweeps of seed
 (`sweep_bench.py --pruners none --seeds 0,...,11`, 16 trials, 30 epochs);
 bench/records/digits-16x30-reseeds.json the final values of each seed's winner and of
 the trial `sync` keeps, trained with training seeds 0-4 (--reseeded prints the gap of
-their means: one run's value is one draw, sd ~0.5-1 sample).
+their means: one run's value is one draw, sd up to ~1 sample).
 
 A model on measurements, not a measurement: each trial's objective curve and epoch time
 were measured (the unpruned sweep ran every trial to its end). The replay runs the trials
