@@ -85,7 +85,7 @@ class FollowResult:
     ticks: int  # poller iterations while streaming
     polls: int  # store polls (poller's and followers' own) while streaming
     statements: int  # SQL statements on the read engine while streaming, re-checks included
-    rechecks: int  # of those, the open streams' visibility re-checks' (every RECHECK_S each)
+    rechecks: int  # of those, the open streams' re-checks' (visibility, token: StatementCounter)
     connect_statements: int  # SQL statements while the followers connected
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)

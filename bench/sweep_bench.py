@@ -192,17 +192,12 @@ def reseed(ty: Client, runs: dict[str, dict[str, Any]], k: int) -> dict[str, lis
         ]
     for key, jobs in pending.items():
         for job_id in jobs:
-            job = wait_for(lambda j=job_id: _ended(ty, j), 3600, f"reseeded job {job_id}", 1.0)
+            job = ty.wait(job_id, timeout_s=3600)
             if job["state"] != "succeeded":
                 raise RuntimeError(f"reseeded job {job_id} {job['state']}: {job.get('error')}")
             values = ty.metrics(job_id, name=OBJECTIVE)[OBJECTIVE]["values"]
             draws[key].append(float(values[-1]))
     return {name: draws[key] for name, key in of_sweep.items()}
-
-
-def _ended(ty: Client, job_id: str) -> dict[str, Any] | None:
-    job = ty.job(job_id)
-    return job if job["state"] in ("succeeded", "failed", "cancelled") else None
 
 
 def mean_gap(plain: list[float], pruned: list[float]) -> tuple[float, float]:

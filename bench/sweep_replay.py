@@ -187,7 +187,7 @@ def replay_sync(
     return Outcome(spent, trials[pick].curve[-1], restarts, pick)
 
 
-def mean_gap(draws: dict[str, list[int]], winner: int | None, pick: int | None) -> str:
+def reseeded_gap(draws: dict[str, list[int]], winner: int | None, pick: int | None) -> str:
     """', gap of the means …' where `draws` (correct samples per training seed, by trial
     number) holds both trials; '' otherwise."""
     if winner is None or pick is None:
@@ -293,7 +293,7 @@ def main() -> int:
             print(f"  {name:>4}: {o.worker_s / base.worker_s:.3f}x worker-seconds, best "
                   f"{o.best:.5f}, gap {gap:.1f} validation samples"
                   + (f", {o.restarts} restarts" if name == "sync" else "")
-                  + mean_gap(reseeded.get(seed, {}), base.pick, o.pick))  # fmt: skip
+                  + reseeded_gap(reseeded.get(seed, {}), base.pick, o.pick))  # fmt: skip
     return 0
 
 

@@ -30,8 +30,8 @@ import follow_bench
 # SQL statements of one feed poll: the job's state, metrics, checkpoints and job events
 # (+ the BEGIN of SQLite's deferred read transaction).
 POLL_STATEMENTS = 5
-# SQL statements of an open stream's re-check that its job is still visible: a SELECT
-# (+ BEGIN on SQLite).
+# SQL statements of an open stream's re-check (its job still visible, or its token's user
+# once the token cache's entry expired): a SELECT (+ BEGIN on SQLite).
 RECHECK_STATEMENTS = 2
 # SQL statements of one follower's connect: its token, then the job's visibility (each a
 # SELECT, + BEGIN on SQLite).
