@@ -1,0 +1,150 @@
+"""Tenants apart on one host (issue 42, finding 6): what one user's job could do to another's
+on a shared worker host. The seccomp filter (worker/seccomp.py) is checked twice: its
+program on a small classic-BPF interpreter (both ABIs, every branch), and inside a real
+sandbox, where the calls a job used against other tenants fail with EPERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchyard.worker import seccomp
+from torchyard.worker.sandbox import Mounts, identity, sandbox_argv, sandbox_env, support
+
+needs_bwrap = pytest.mark.skipif(
+    not support().ok and os.environ.get("CI") != "true", reason=f"no sandbox: {support().why}"
+)
+
+# ---- the program, run on an interpreter of the instructions it uses ------------------------
+
+
+def run_filter(prog: bytes, nr: int, arch: int, arg0: int = 0) -> int:
+    """What the kernel would return for this call: classic BPF, the opcodes seccomp.py
+    emits (ld word absolute, jeq / jge / jset with a constant, ret a constant)."""
+    data = struct.pack("=iIQ6Q", nr, arch, 0, arg0, 0, 0, 0, 0, 0)
+    ins = [struct.unpack_from("=HBBI", prog, i) for i in range(0, len(prog), 8)]
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = ins[pc]
+        pc += 1
+        if code == seccomp.BPF_LD_W_ABS:
+            acc = struct.unpack_from("=I", data, k)[0]
+        elif code == seccomp.BPF_RET_K:
+            return k
+        else:
+            test = {
+                seccomp.BPF_JEQ_K: acc == k,
+                seccomp.BPF_JGE_K: acc >= k,
+                seccomp.BPF_JSET_K: bool(acc & k),
+            }[code]
+            pc += jt if test else jf
+
+
+EPERM = seccomp.RET_ERRNO | seccomp.EPERM
+CLONE_NEWUSER, SIGCHLD = 0x10000000, 17
+
+
+@pytest.mark.parametrize("arch", [seccomp.X86_64, seccomp.AARCH64], ids=lambda a: a.name)
+def test_the_filter_refuses_what_it_lists_and_allows_the_rest(arch: seccomp.Arch) -> None:
+    prog, nums = seccomp.program(arch), arch.numbers
+    assert len(prog) // 8 < 4096  # the kernel's limit on a program's length
+
+    def verdict(name: str | int, arg0: int = 0, audit: int = arch.audit) -> int:
+        nr = nums[name] if isinstance(name, str) else name
+        return run_filter(prog, nr, audit, arg0)
+
+    for name in ("keyctl", "add_key", "request_key", "unshare", "bpf", "perf_event_open",
+                 "userfaultfd", "mount", "ptrace", "setns", "kexec_load", "open_by_handle_at"):  # fmt: skip
+        assert verdict(name) == EPERM, name
+    assert set(seccomp.denied(arch)) == set(nums) - set(seccomp.APART)
+    assert verdict("clone", CLONE_NEWUSER | SIGCHLD) == EPERM
+    assert verdict("clone", 0x01200000 | SIGCHLD) == seccomp.RET_ALLOW  # fork (glibc's flags)
+    assert verdict("clone", 0x003D0F00) == seccomp.RET_ALLOW  # a thread (glibc's flags)
+    assert verdict("clone3") == seccomp.RET_ERRNO | seccomp.ENOSYS  # glibc falls back to clone
+    assert verdict("personality", 0x0040000) == EPERM  # ADDR_NO_RANDOMIZE
+    for value in seccomp.PERSONALITY_OK:
+        assert verdict("personality", value) == seccomp.RET_ALLOW
+    for allowed in (0, 1, 57, 60, 231, 425 - 1):  # read, write, fork, exit, exit_group, …
+        if allowed not in nums.values():
+            assert verdict(allowed) == seccomp.RET_ALLOW, allowed
+    foreign = 0x40000003 if arch is seccomp.X86_64 else 0x40000028  # i386, arm
+    assert verdict(nums["keyctl"], audit=foreign) == seccomp.RET_KILL_PROCESS
+    assert verdict(0, audit=foreign) == seccomp.RET_KILL_PROCESS  # any call of another ABI
+    if arch.x32:
+        assert verdict(seccomp.X32_BIT | 250) == seccomp.RET_KILL_PROCESS  # x32's keyctl
+
+
+# ---- inside a real sandbox -----------------------------------------------------------------
+
+ATTACKS = r"""
+import ctypes, json, os, subprocess, sys, threading
+nums = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+out = {}
+
+def call(name, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nums[name]), *[ctypes.c_long(a) for a in args])
+    return "ok" if r >= 0 else os.strerror(ctypes.get_errno())
+
+out["keyctl"] = call("keyctl", 0, -3, 1)  # KEYCTL_GET_KEYRING_ID, the session keyring
+key = ctypes.c_char_p
+ctypes.set_errno(0)
+r = libc.syscall(ctypes.c_long(nums["add_key"]), key(b"user"), key(b"mine"), key(b"secret"),
+                 ctypes.c_size_t(6), ctypes.c_long(-2))  # the process keyring
+out["add_key"] = "ok" if r >= 0 else os.strerror(ctypes.get_errno())
+out["bpf"] = call("bpf", 0, 0, 0)
+out["perf_event_open"] = call("perf_event_open", 0, 0, -1, -1, 0)
+pid = libc.syscall(ctypes.c_long(nums["clone"]), ctypes.c_long(0x10000000 | 17), 0, 0, 0, 0)
+if pid == 0:
+    os._exit(0)  # the child, in a user namespace of its own: gone at once
+out["clone_newuser"] = "ok" if pid > 0 else os.strerror(ctypes.get_errno())
+if pid > 0:
+    os.waitpid(pid, 0)
+r = subprocess.run(["unshare", "-Ur", "true"], capture_output=True, text=True)
+out["unshare_Ur"] = "ok" if r.returncode == 0 else r.stderr.strip()
+# What a trainer does keeps working: threads (clone3 refused, clone used), fork.
+t = threading.Thread(target=lambda: None)
+t.start()
+t.join()
+child = os.fork()
+if child == 0:
+    os._exit(7)
+out["fork"] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+print(json.dumps(out))
+"""
+
+
+def _in_sandbox(tmp_path: Path, script: str, *args: str) -> dict[str, object]:
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    ident = identity(64000)
+    if (owner := ident.owns()) is not None:
+        os.chown(run, *owner)
+    env = sandbox_env(dict(os.environ), os.path.dirname(sys.executable))
+    with seccomp.filter_fd() as fd:
+        argv = sandbox_argv([sys.executable, "-c", script, *args], Mounts(run), ident, fd)
+        fds = () if fd is None else (fd,)
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, pass_fds=fds)
+    assert r.returncode == 0, r.stderr
+    return dict(json.loads(r.stdout.splitlines()[-1]))
+
+
+@needs_bwrap
+@pytest.mark.hostile
+def test_keyrings_namespaces_bpf_and_perf_are_refused_inside(tmp_path: Path) -> None:
+    arch = seccomp.host_arch()
+    assert arch is not None, "no syscall table for this host's ABI"
+    out = _in_sandbox(tmp_path, ATTACKS, json.dumps(arch.numbers))
+    eperm = os.strerror(1)
+    for name in ("keyctl", "add_key", "bpf", "perf_event_open", "clone_newuser"):
+        assert out[name] == eperm, (name, out)
+    assert "Operation not permitted" in str(out["unshare_Ur"]), out
+    assert out["fork"] == 7  # threads and fork still work (the trainer's loader workers)
