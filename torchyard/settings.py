@@ -158,6 +158,11 @@ class Settings(BaseSettings):
     (worker/cgroups.py), where the host has cgroups; over it the kernel kills the trainer
     alone and the job fails as `out_of_memory`. Default: 90% of the worker's own cgroup
     limit if it has one, else 90% of the host's memory."""
+    trainer_max_pids: int = Field(default=1024, ge=0)
+    """TORCHYARD_TRAINER_MAX_PIDS: most tasks (processes and threads: torch's thread pools,
+    DataLoader workers and theirs all count) in each slot's trainer cgroup, where the host
+    offers the `pids` controller (worker/cgroups.py); past it a fork fails inside the job and
+    nothing outside notices. 0: no limit."""
     sandbox: Literal["on", "off"] = "on"
     """TORCHYARD_SANDBOX: `on` runs every trainer inside bubblewrap (worker/sandbox.py): no
     TORCHYARD_HOME, no other job's files, no worker environment. `off` (an admin's explicit

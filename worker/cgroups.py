@@ -12,6 +12,10 @@ mounted and which of its folders the mount shows (its `root` field: a container'
 shows its own cgroup as the mount's top). The folder found must list this process in its
 `cgroup.procs`, or it is not ours.
 
+The same cgroup (v2), or a folder of the same name in v1's `pids` hierarchy, holds at most
+TORCHYARD_TRAINER_MAX_PIDS tasks (`limit_pids`; threads count): a job that forks without end
+gets EAGAIN at the limit, and the host's process table is never its to fill.
+
 A trainer enters its cgroup between fork and exec (`enter_fn`, for Popen's `preexec_fn`),
 so everything it starts is charged there. A host with no memory cgroup we may write to gets
 no limit: `TrainerCgroup.create` says why in the log and returns None, it never raises for
@@ -81,8 +85,8 @@ def parse_mountinfo(text: str) -> list[Mount]:
     return mounts
 
 
-def parse_proc_cgroup(text: str) -> tuple[str | None, str | None]:
-    """(the v1 `memory` hierarchy's path, the v2 unified path) of a /proc/<pid>/cgroup."""
+def parse_proc_cgroup(text: str, controller: str = "memory") -> tuple[str | None, str | None]:
+    """(the v1 `controller` hierarchy's path, the v2 unified path) of a /proc/<pid>/cgroup."""
     v1 = v2 = None
     for line in text.splitlines():
         hier, sep, rest = line.partition(":")
@@ -91,7 +95,7 @@ def parse_proc_cgroup(text: str) -> tuple[str | None, str | None]:
             continue
         if hier == "0" and controllers == "":
             v2 = path
-        elif "memory" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path
     return v1, v2
 
@@ -132,19 +136,30 @@ def find_memory_cgroup(
 ) -> MemoryHierarchy | None:
     """This process's memory cgroup (v1's `memory` hierarchy first: on a hybrid host the
     unified one has no memory controller), or None where there is none we can see."""
+    return find_cgroup("memory", proc_cgroup, mountinfo, pid)
+
+
+def find_cgroup(
+    controller: str,
+    proc_cgroup: Path = PROC_CGROUP,
+    mountinfo: Path = PROC_MOUNTINFO,
+    pid: int | None = None,
+) -> MemoryHierarchy | None:
+    """This process's cgroup of `controller` (`memory`, `pids`): v1's hierarchy of that
+    controller first, else the unified one where it offers the controller."""
     pid = os.getpid() if pid is None else pid
     try:
-        v1, v2 = parse_proc_cgroup(proc_cgroup.read_text())
+        v1, v2 = parse_proc_cgroup(proc_cgroup.read_text(), controller)
         mounts = parse_mountinfo(mountinfo.read_text())
     except OSError:
         return None
     if v1 is not None:
-        mem = [m for m in mounts if m.fstype == "cgroup" and "memory" in m.superopts]
-        if (found := _locate(mem, v1, pid)) is not None:
+        mine = [m for m in mounts if m.fstype == "cgroup" and controller in m.superopts]
+        if (found := _locate(mine, v1, pid)) is not None:
             return MemoryHierarchy(1, *found)
     if v2 is not None:
         found = _locate([m for m in mounts if m.fstype == "cgroup2"], v2, pid)
-        if found is not None and "memory" in _read(found[0] / "cgroup.controllers").split():
+        if found is not None and controller in _read(found[0] / "cgroup.controllers").split():
             return MemoryHierarchy(2, *found)
     return None
 
@@ -227,15 +242,15 @@ def _check_name(name: str) -> None:
         raise ValueError(f"bad cgroup name {name!r}: letters, digits, '.', '_' and '-' only")
 
 
-def _delegate_memory(base: Path, pid: int) -> None:
-    """v2: let `base`'s children have the memory controller. A cgroup with processes of its
+def _delegate_memory(base: Path, pid: int, controller: str = "memory") -> None:
+    """v2: let `base`'s children have the `controller`. A cgroup with processes of its
     own may not (the no-internal-processes rule): if the worker is its only process, the
     worker moves into a leaf of its own beside its trainers'; else OSError."""
     control = base / "cgroup.subtree_control"
-    if "memory" in _read(control).split():
+    if controller in _read(control).split():
         return
     try:
-        _write(control, "+memory")
+        _write(control, f"+{controller}")
         return
     except OSError as e:
         if e.errno != errno.EBUSY:
@@ -243,13 +258,13 @@ def _delegate_memory(base: Path, pid: int) -> None:
     if set(_pids(base)) != {pid}:
         raise OSError(
             errno.EBUSY,
-            f"{base} holds other processes and does not hand `memory` to its children "
-            "(give the worker a delegated cgroup of its own)",
+            f"{base} holds other processes and does not hand `{controller}` to its "
+            "children (give the worker a delegated cgroup of its own)",
         )
     leaf = base / f"{PREFIX}{pid}-{WORKER_LEAF}"
     leaf.mkdir(exist_ok=True)
     _write(leaf / "cgroup.procs", pid)
-    _write(control, "+memory")
+    _write(control, f"+{controller}")
 
 
 class TrainerCgroup:
@@ -259,17 +274,26 @@ class TrainerCgroup:
         self.path = path
         self.version = version
         self.limit_bytes = limit_bytes
+        self.max_pids: int | None = None  # pids.max, where set (`limit_pids`)
+        # Where the pids controller lies in another hierarchy (v1; or a hybrid host's
+        # unified one): the trainer's folder there, entered and removed with this one.
+        self.extra: list[Path] = []
 
     def __repr__(self) -> str:
         return f"TrainerCgroup({str(self.path)!r}, v{self.version}, limit={self.limit_bytes})"
 
     @classmethod
     def create(
-        cls, name: str, limit_bytes: int | None = None, hierarchy: MemoryHierarchy | None = None
+        cls,
+        name: str,
+        limit_bytes: int | None = None,
+        hierarchy: MemoryHierarchy | None = None,
+        max_pids: int = 0,
     ) -> TrainerCgroup | None:
         """The cgroup `name` (see `slot_name`) under the worker's own memory cgroup, with
-        `limit_bytes` (None: `default_limit`); made anew or taken over if it exists. None,
-        with the reason logged, where the host has no memory cgroup or we may not make one.
+        `limit_bytes` (None: `default_limit`) and at most `max_pids` processes and threads
+        (0: no limit; `limit_pids`); made anew or taken over if it exists. None, with the
+        reason logged, where the host has no memory cgroup or we may not make one.
         Make it before the slot's first trainer (or standby) starts."""
         _check_name(name)
         h = hierarchy if hierarchy is not None else find_memory_cgroup()
@@ -296,7 +320,39 @@ class TrainerCgroup:
                 path.rmdir()
             return None
         log.info("trainer memory cgroup %s (cgroup v%d, limit %d bytes)", path, h.version, limit)
+        if max_pids:
+            cg.limit_pids(name, max_pids)
         return cg
+
+    def limit_pids(
+        self, name: str, max_pids: int, hierarchy: MemoryHierarchy | None = None
+    ) -> bool:
+        """At most `max_pids` tasks (processes and threads) in the trainer's cgroup of the
+        `pids` controller (its memory cgroup itself on v2, a folder `name` in v1's `pids`
+        hierarchy): past it fork and thread creation fail with EAGAIN inside, nothing
+        outside notices. False, logged, where the host offers no pids controller to us."""
+        h = hierarchy if hierarchy is not None else find_cgroup("pids")
+        if h is None:
+            log.warning("no pids cgroup to use: trainers run without a process limit")
+            return False
+        same = h.version == 2 and trainer_base(h) == self.path.parent
+        folder = self.path if same else trainer_base(h) / name
+        try:
+            if h.version == 2:
+                _delegate_memory(trainer_base(h), os.getpid(), "pids")
+            folder.mkdir(exist_ok=True)
+            _write(folder / "pids.max", max_pids)
+        except OSError as e:
+            log.warning("cannot limit the trainer's processes in %s (%s)", folder, e)
+            if not same:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            return False
+        if not same and folder not in self.extra:
+            self.extra.append(folder)
+        self.max_pids = max_pids
+        log.info("trainer pids cgroup %s (at most %d tasks)", folder, max_pids)
+        return True
 
     def _file(self, name: str) -> Path:
         return self.path / name
@@ -325,20 +381,22 @@ class TrainerCgroup:
         execs (only os.open, os.write and os.close: safe after a fork of a threaded
         process). Raises OSError where it cannot, which fails the Popen: a trainer never
         runs outside its cgroup."""
-        procs = os.fsencode(self._file("cgroup.procs"))
+        files = [os.fsencode(f / "cgroup.procs") for f in (self.path, *self.extra)]
 
         def enter() -> None:
-            fd = os.open(procs, os.O_WRONLY)
-            try:
-                os.write(fd, b"%d" % os.getpid())  # "0" is not this process for v1
-            finally:
-                os.close(fd)
+            for procs in files:
+                fd = os.open(procs, os.O_WRONLY)
+                try:
+                    os.write(fd, b"%d" % os.getpid())  # "0" is not this process for v1
+                finally:
+                    os.close(fd)
 
         return enter
 
     def add(self, pid: int) -> None:
         """Move a running process (and from then on its new children) in; OSError if not."""
-        _write(self._file("cgroup.procs"), pid)
+        for folder in (self.path, *self.extra):
+            _write(folder / "cgroup.procs", pid)
 
     def pids(self) -> list[int]:
         """The processes in it now."""
@@ -402,14 +460,16 @@ class TrainerCgroup:
     def remove(self) -> bool:
         """At the worker's exit: remove the cgroup (it must be empty: `kill_all` and reap
         first). False, logged, if it could not be."""
-        try:
-            self.path.rmdir()
-        except FileNotFoundError:
-            return True
-        except OSError as e:
-            log.warning("could not remove the trainer memory cgroup %s (%s)", self.path, e)
-            return False
-        return True
+        ok = True
+        for folder in (self.path, *self.extra):
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("could not remove the trainer cgroup %s (%s)", folder, e)
+                ok = False
+        return ok
 
 
 def _set_v1_limit(path: Path, limit: int) -> None:
@@ -452,9 +512,12 @@ def sweep_stale(hierarchy: MemoryHierarchy | None = None) -> list[Path]:
     """At the worker's start: remove the empty trainer cgroups (`torchyard-<pid>-…`) that
     workers now dead left beside ours. One that still holds processes is kept, and logged.
     The cgroups removed."""
-    h = hierarchy if hierarchy is not None else find_memory_cgroup()
-    if h is None:
-        return []
+    if hierarchy is None:  # the memory hierarchy, and v1's pids one beside it
+        pids = find_cgroup("pids")
+        extra = sweep_stale(pids) if pids is not None and pids.version == 1 else []
+        memory = find_memory_cgroup()
+        return (sweep_stale(memory) if memory is not None else []) + extra
+    h = hierarchy
     removed, me = [], os.getpid()
     with contextlib.suppress(OSError):
         for entry in sorted(trainer_base(h).iterdir()):

@@ -63,10 +63,13 @@ def oom_counter(cgroup: TrainerCgroup | None) -> OomCount:
 
 
 def trainer_cgroup(settings: Settings) -> TrainerCgroup | None:
-    """This worker's slot's memory cgroup (None, logged, where the host has none for us),
-    after the stale ones of dead workers are swept. Once per slot, before its standby."""
+    """This worker's slot's memory cgroup, its tasks limited (None, logged, where the host
+    has none for us), after the stale ones of dead workers are swept. Once per slot,
+    before its standby."""
     sweep_stale()
-    return TrainerCgroup.create(slot_name("trainer"), settings.trainer_memory_bytes)
+    return TrainerCgroup.create(
+        slot_name("trainer"), settings.trainer_memory_bytes, max_pids=settings.trainer_max_pids
+    )
 
 
 def _die_with_parent(parent_pid: int) -> None:

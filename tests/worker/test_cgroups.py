@@ -162,6 +162,25 @@ def test_v2_create_sets_limit_group_kill_and_no_swap(tmp_path: Path) -> None:
     assert cg.oom_kills() == 2
 
 
+def test_v2_pids_limit_lies_in_the_trainers_own_cgroup(tmp_path: Path) -> None:
+    """On fake files: v2 limits tasks in the trainer's memory cgroup itself (pids handed
+    down to it); v1 in a folder of the same name in the pids hierarchy, entered too."""
+    base = _cgroup_dir(tmp_path / "cg", [os.getpid()], "memory pids")
+    (base / "cgroup.subtree_control").write_text("memory")
+    child = _cgroup_dir(base / "torchyard-1-gpu0", [])
+    (child / "pids.max").write_text("max")
+    cg = TrainerCgroup(child, 2, 64 * MIB)
+    assert cg.limit_pids(child.name, 100, MemoryHierarchy(2, base, base))
+    assert (child / "pids.max").read_text() == "100" and cg.extra == []
+    assert (base / "cgroup.subtree_control").read_text() == "+pids"
+    pids = _cgroup_dir(tmp_path / "pids", [os.getpid()])
+    (pids / "torchyard-1-gpu0").mkdir()
+    (pids / "torchyard-1-gpu0" / "pids.max").write_text("max")
+    assert cg.limit_pids(child.name, 50, MemoryHierarchy(1, pids, pids))
+    assert (pids / "torchyard-1-gpu0" / "pids.max").read_text() == "50"
+    assert cg.extra == [pids / "torchyard-1-gpu0"] and cg.max_pids == 50
+
+
 def test_v2_busy_parent_moves_the_worker_into_its_leaf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,16 +5,21 @@ sandbox, where the calls a job used against other tenants fail with EPERM."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from torchyard.settings import Settings
 from torchyard.worker import seccomp
+from torchyard.worker.cgroups import TrainerCgroup
+from torchyard.worker.launch_local import trainer_cgroup
 from torchyard.worker.sandbox import Mounts, identity, sandbox_argv, sandbox_env, support
 
 needs_bwrap = pytest.mark.skipif(
@@ -122,7 +127,8 @@ print(json.dumps(out))
 """
 
 
-def _in_sandbox(tmp_path: Path, script: str, *args: str) -> dict[str, object]:
+def _in_sandbox(tmp_path: Path, script: str, *args: str,
+                cgroup: TrainerCgroup | None = None) -> dict[str, object]:  # fmt: skip
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
     ident = identity(64000)
@@ -132,7 +138,9 @@ def _in_sandbox(tmp_path: Path, script: str, *args: str) -> dict[str, object]:
     with seccomp.filter_fd() as fd:
         argv = sandbox_argv([sys.executable, "-c", script, *args], Mounts(run), ident, fd)
         fds = () if fd is None else (fd,)
-        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, pass_fds=fds)
+        enter = cgroup.enter_fn() if cgroup is not None else None
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60,
+                           pass_fds=fds, preexec_fn=enter)  # fmt: skip
     assert r.returncode == 0, r.stderr
     return dict(json.loads(r.stdout.splitlines()[-1]))
 
@@ -148,3 +156,43 @@ def test_keyrings_namespaces_bpf_and_perf_are_refused_inside(tmp_path: Path) -> 
         assert out[name] == eperm, (name, out)
     assert "Operation not permitted" in str(out["unshare_Ur"]), out
     assert out["fork"] == 7  # threads and fork still work (the trainer's loader workers)
+
+
+FORK_BOMB = r"""
+import json, os, signal
+kids, err = [], None
+for _ in range(2000):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        err = e.errno
+        break
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    kids.append(pid)
+for k in kids:
+    os.kill(k, signal.SIGKILL)
+    os.waitpid(k, 0)
+print(json.dumps({"forked": len(kids), "errno": err}))
+"""
+
+
+@needs_bwrap
+@pytest.mark.hostile
+def test_a_fork_bomb_stops_at_the_trainer_cgroups_pids_limit(tmp_path: Path) -> None:
+    """2,000 forks in a sandboxed job: the slot's trainer cgroup (made as the launcher makes
+    it, from TORCHYARD_TRAINER_MAX_PIDS) stops them at its limit with EAGAIN; the worker
+    (this process) forks on, and nothing of the job is left in the cgroup."""
+    cg = trainer_cgroup(Settings(home=tmp_path / "home", trainer_max_pids=64))
+    if cg is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true: this host must have a writable memory cgroup")
+        pytest.skip("no writable memory cgroup on this host")
+    out = _in_sandbox(tmp_path, FORK_BOMB, cgroup=cg)
+    assert out["errno"] == errno.EAGAIN and int(str(out["forked"])) < 64, out
+    assert subprocess.run(["true"]).returncode == 0
+    deadline = time.monotonic() + 5  # the sandbox's init dies with bwrap, a moment later
+    while cg.pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cg.pids() == []
