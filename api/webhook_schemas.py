@@ -5,14 +5,13 @@ secret once), and its deliveries with every attempt."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from torchyard.scheduler.notify import url_problem
-from torchyard.settings import IPNetwork
+from torchyard.scheduler.webhook_guard import Rule
 from torchyard.store.webhooks import EVENTS
 
 MAX_URL = 2000
@@ -45,10 +44,10 @@ class WebhookIn(BaseModel):
     )
 
 
-def problems(body: WebhookIn, denied: Sequence[IPNetwork]) -> list[tuple[str, str]]:
+def problems(body: WebhookIn, rule: Rule) -> list[tuple[str, str]]:
     """Every problem of the body, each naming its field (the API answers 422)."""
     out: list[tuple[str, str]] = []
-    bad_url = url_problem(body.url, denied)
+    bad_url = url_problem(body.url, rule)
     if bad_url is not None:
         out.append(("url", bad_url))
     unknown = [e for e in body.events if e not in EVENTS]

@@ -119,8 +119,10 @@ def run(args: argparse.Namespace) -> None:
             uid = get_or_create_user(s, "bench").id
             create_webhook(s, uid, None, target, ["job.succeeded"], "bench-secret-0123456789")
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+        # The receiver listens on loopback, which webhooks reach only when allowed.
         env.update(TORCHYARD_HOME=str(home), TORCHYARD_DATABASE_URL=url,
-                   TORCHYARD_QUEUE_PREFIX=f"tywb-{uuid.uuid4().hex[:8]}")  # fmt: skip
+                   TORCHYARD_QUEUE_PREFIX=f"tywb-{uuid.uuid4().hex[:8]}",
+                   TORCHYARD_WEBHOOK_ALLOW_NETWORKS="127.0.0.1/32")  # fmt: skip
         sched = subprocess.Popen([sys.executable, "-m", "torchyard", "scheduler"], cwd=ROOT,
                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         stack.callback(sched.wait)

@@ -8,30 +8,31 @@ expire and the next pass (of any scheduler) sends the delivery again with the sa
 
 Each request: POST with the frozen body, `X-Torchyard-Event`, `X-Torchyard-Delivery` and
 `X-Torchyard-Signature: sha256=<hex HMAC-SHA256 of the body keyed by the secret>`; any 2xx
-is success, nothing else (redirects are not followed). The SSRF guard: the host is
-resolved here, EVERY address checked against TORCHYARD_WEBHOOK_DENY_NETWORKS, and the
-connection made to a checked address (the URL's host kept as Host and TLS server name), so
-a name that resolves elsewhere at connect time (DNS rebinding) changes nothing; a refused
-send is a failed try, with the reason."""
+is success, nothing else (redirects are not followed, so none leads to a refused address).
+The SSRF guard: the host is resolved here, EVERY address checked (scheduler/webhook_guard.py:
+public addresses only, unless TORCHYARD_WEBHOOK_ALLOW_NETWORKS allows more, never
+TORCHYARD_WEBHOOK_DENY_NETWORKS), and the connection made to a checked address (the URL's
+host kept as Host and TLS server name), so a name that resolves elsewhere at connect time
+(DNS rebinding) changes nothing; a refused send is a failed try, with the reason."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
 
-from torchyard.settings import IPNetwork, Settings
+from torchyard.scheduler.webhook_guard import Rule, rule_for
+from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import utcnow
 from torchyard.store.webhooks import (
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 BATCH = 16  # deliveries claimed (and sent at once) per pass
 CLEAN_EVERY_S = 3600.0  # ended deliveries past TORCHYARD_WEBHOOK_RETENTION_S removed hourly
 USER_AGENT = "torchyard-webhooks/1"
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # (host, port) -> addresses; the seam tests replace to make a name resolve where they like.
 Resolver = Callable[[str, int], list[str]]
 
@@ -62,17 +62,9 @@ def resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-def denied(address: str, networks: Sequence[IPNetwork]) -> IPNetwork | None:
-    """The denied network `address` is in (an IPv4-mapped IPv6 address as its IPv4)."""
-    ip: IPAddress = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return next((n for n in networks if ip.version == n.version and ip in n), None)
-
-
-def url_problem(url: str, networks: Sequence[IPNetwork]) -> str | None:
+def url_problem(url: str, rule: Rule) -> str | None:
     """What is wrong with a webhook URL before any lookup (the API's check at create):
-    not http(s), no host, or a literal address in a denied network."""
+    not http(s), no host, or a literal address the rule refuses."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (raises on a bad port)
@@ -83,17 +75,15 @@ def url_problem(url: str, networks: Sequence[IPNetwork]) -> str | None:
     if not parts.hostname:
         return "must name a host"
     try:
-        net = denied(parts.hostname, networks)
+        why = rule.refusal(parts.hostname)
     except ValueError:
         return None  # a name: checked at each send, on what it resolves to then
-    if net is not None:
-        return f"{parts.hostname} is in a denied network ({net}, TORCHYARD_WEBHOOK_DENY_NETWORKS)"
-    return None
+    return None if why is None else f"{parts.hostname} {why}"
 
 
-def pinned(url: str, networks: Sequence[IPNetwork], resolver: Resolver) -> list[str]:
+def pinned(url: str, rule: Rule, resolver: Resolver) -> list[str]:
     """The addresses to connect to for `url`, every one checked (Refused otherwise)."""
-    problem = url_problem(url, networks)
+    problem = url_problem(url, rule)
     if problem is not None:
         raise Refused(problem)
     parts = urlsplit(url)
@@ -106,9 +96,9 @@ def pinned(url: str, networks: Sequence[IPNetwork], resolver: Resolver) -> list[
     if not addresses:
         raise Refused(f"{host} resolves to no address")
     for a in addresses:
-        net = denied(a, networks)
-        if net is not None:
-            raise Refused(f"{host} resolves to {a}, in a denied network ({net})")
+        why = rule.refusal(a)
+        if why is not None:
+            raise Refused(f"{host} resolves to {a}, which {why}")
     return addresses
 
 
@@ -127,6 +117,7 @@ class Notifier:
     def __init__(self, settings: Settings, *, resolver: Resolver = resolve):
         self.settings = settings
         self.resolver = resolver
+        self.rule = rule_for(settings)
         self.claimer = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"[:100]
         # Longer than one batch's sends (all at once, each bounded by the timeout).
         self.lease_s = 2 * settings.webhook_timeout_s + 5
@@ -228,7 +219,7 @@ class Notifier:
         return Outcome(started, int((time.monotonic() - t0) * 1000), code, error)
 
     def _post(self, due: Due) -> int:
-        addresses = pinned(due.url, self.settings.webhook_denied, self.resolver)
+        addresses = pinned(due.url, self.rule, self.resolver)
         url = httpx.URL(due.url)
         body = body_of(due)
         headers = {

@@ -213,10 +213,15 @@ class Settings(BaseSettings):
     webhook_deny_networks: str = (
         "169.254.0.0/16,fe80::/10,100.100.100.200/32,fd00:ec2::254/128,0.0.0.0/32,::/128"
     )
-    """TORCHYARD_WEBHOOK_DENY_NETWORKS: comma-separated CIDRs no webhook is ever sent to
-    (default: link-local and the clouds' metadata addresses; loopback and private networks
-    are allowed). Checked when a webhook is created (a literal address) and before each
-    send, on every address its host name resolves to (scheduler/notify.py)."""
+    """TORCHYARD_WEBHOOK_DENY_NETWORKS: comma-separated CIDRs no webhook is ever sent to,
+    whatever TORCHYARD_WEBHOOK_ALLOW_NETWORKS says (default: link-local and the clouds'
+    metadata addresses). Checked when a webhook is created (a literal address) and before
+    each send, on every address its host name resolves to (scheduler/webhook_guard.py)."""
+    webhook_allow_networks: str = ""
+    """TORCHYARD_WEBHOOK_ALLOW_NETWORKS: comma-separated CIDRs a webhook may reach although
+    they are not public (default none: loopback, private, link-local, carrier-grade NAT,
+    NAT64, 6to4, multicast… are refused), e.g. `10.20.0.0/16` for a receiver on the
+    company network; an IPv4 address inside a NAT64 or 6to4 one must be allowed too."""
     webhook_poll_s: float = Field(default=1.0, gt=0, le=60)
     """TORCHYARD_WEBHOOK_POLL_S: how often the scheduler's webhook sender looks for due
     deliveries (it is also woken by every scheduler wake-up, e.g. a job's end)."""
@@ -279,7 +284,7 @@ class Settings(BaseSettings):
             )
         return v
 
-    @field_validator("trusted_proxies", "webhook_deny_networks")
+    @field_validator("trusted_proxies", "webhook_deny_networks", "webhook_allow_networks")
     @classmethod
     def _networks(cls, v: str, info: ValidationInfo) -> str:
         for part in _split(v):
@@ -369,6 +374,13 @@ class Settings(BaseSettings):
         """TORCHYARD_WEBHOOK_DENY_NETWORKS parsed (checked at start)."""
         return tuple(
             ipaddress.ip_network(p, strict=False) for p in _split(self.webhook_deny_networks)
+        )
+
+    @property
+    def webhook_allowed(self) -> tuple[IPNetwork, ...]:
+        """TORCHYARD_WEBHOOK_ALLOW_NETWORKS parsed (checked at start)."""
+        return tuple(
+            ipaddress.ip_network(p, strict=False) for p in _split(self.webhook_allow_networks)
         )
 
     @property

@@ -36,6 +36,7 @@ from torchyard.api.webhook_schemas import (
     masked,
     problems,
 )
+from torchyard.scheduler.webhook_guard import rule_for
 from torchyard.store import projects as proj
 from torchyard.store import webhooks as hooks
 from torchyard.store.audit import record
@@ -93,7 +94,7 @@ def create_webhook_route(
     session: SessionDep,
     settings: SettingsDep,
 ) -> WebhookCreated:
-    found = problems(body, settings.webhook_denied)
+    found = problems(body, rule_for(settings))
     if found:
         raise validation_error(found, "webhook")
     project_id = _project_id(session, user, body.project)

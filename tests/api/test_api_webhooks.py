@@ -20,7 +20,7 @@ SECRET = "0123456789abcdef-secret"
 def _create(client: TestClient, headers: dict[str, str], **body: object) -> dict:
     r = client.post(
         "/v1/webhooks",
-        json={"url": "http://127.0.0.1:9/hook", "events": ["job.failed"], **body},
+        json={"url": "http://hooks.example:9/hook", "events": ["job.failed"], **body},
         headers=headers,
     )
     assert r.status_code == 201, r.text
@@ -74,7 +74,7 @@ def test_create_list_delete_and_the_secret_once(
 def test_bad_bodies_are_422_naming_the_field(
     client: TestClient, alice: dict[str, str], body: dict, field: str, words: str
 ) -> None:
-    full = {"url": "http://127.0.0.1:9/h", "events": ["job.failed"], **body}
+    full = {"url": "http://hooks.example:9/h", "events": ["job.failed"], **body}
     r = client.post("/v1/webhooks", json=full, headers=alice)
     assert r.status_code == 422, r.text
     fields = {d["field"]: d["message"] for d in r.json()["error"]["details"]}
@@ -100,10 +100,10 @@ def test_project_webhooks_are_for_its_owners(
     assert client.post("/v1/projects", json={"name": "lab"}, headers=alice).status_code == 201
     r = client.put("/v1/projects/lab/members/bob", json={"role": "member"}, headers=alice)
     assert r.status_code == 200
-    r = client.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/h",
+    r = client.post("/v1/webhooks", json={"url": "http://hooks.example:9/h",
                     "events": ["job.failed"], "project": "lab"}, headers=bob)  # fmt: skip
     assert r.status_code == 403 and "owner" in r.json()["error"]["message"]
-    r = client.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/h",
+    r = client.post("/v1/webhooks", json={"url": "http://hooks.example:9/h",
                     "events": ["job.failed"], "project": "lab"}, headers=carol)  # fmt: skip
     assert r.status_code == 404  # no role: the project does not exist for carol
     hook = _create(client, alice, project="lab")

@@ -33,6 +33,8 @@ CHAOS_SETTINGS = {
     # The webhook sender's lease (2 x this + 5 s) expires soon after a scheduler is killed.
     "TORCHYARD_WEBHOOK_TIMEOUT_S": "2",
     "TORCHYARD_WEBHOOK_RETRY_BASE_S": "1",
+    # The test's receiver listens on loopback, which webhooks reach only when allowed.
+    "TORCHYARD_WEBHOOK_ALLOW_NETWORKS": "127.0.0.1/32",
 }
 # Room for a long run's cached checkpoints; the disk_full fault fills whatever is left.
 TMPFS_SIZE = "1g"

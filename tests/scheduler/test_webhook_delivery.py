@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SECRET = "receiver-secret-0123456789"
 ALL = ["job.succeeded", "job.failed", "job.cancelled", "sweep.completed"]
 T = TypeVar("T")
+RECEIVER_NET = "127.0.0.1/32"  # webhook_receiver.py's address
 
 
 def _wait(cond: Callable[[], T], timeout: float, what: str) -> T:
@@ -82,6 +83,8 @@ def _sweep_cancelled(url: str) -> str:
 
 
 def _settings(url: str, tmp: Path, **kw: Any) -> Settings:
+    """The receiver listens on loopback, which webhooks reach only when allowed."""
+    kw.setdefault("webhook_allow_networks", RECEIVER_NET)
     return Settings(_env_file=None, database_url=url, home=tmp, **kw)  # type: ignore[call-arg]
 
 
@@ -216,7 +219,8 @@ def scheduler_process(url: str, tmp: Path) -> Iterator[Callable[[], subprocess.P
     env.update(TORCHYARD_HOME=str(tmp / "home"), TORCHYARD_DATABASE_URL=url,
                TORCHYARD_QUEUE_PREFIX=f"tyw-{uuid.uuid4().hex[:10]}",
                TORCHYARD_WEBHOOK_POLL_S="0.2", TORCHYARD_WEBHOOK_TIMEOUT_S="0.5",
-               TORCHYARD_WEBHOOK_RETRY_BASE_S="0.3", PYTHONUNBUFFERED="1")  # fmt: skip
+               TORCHYARD_WEBHOOK_RETRY_BASE_S="0.3", PYTHONUNBUFFERED="1",
+               TORCHYARD_WEBHOOK_ALLOW_NETWORKS=RECEIVER_NET)  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
 
     def start() -> subprocess.Popen[bytes]:
