@@ -9,12 +9,13 @@ with it, forks, and waits. The child is that job's trainer: its own session, the
 log pipe as stdout and stderr, the job's run directory (the sandbox's `/job`) and
 environment, then exactly `trainer.cli.main`. The zygote itself never runs a job's code.
 
-When the child has exited the zygote ends every other process of the sandbox's PID
-namespace (a daemonised child, loader workers), empties the private `/tmp` and `/dev/shm`,
-removes System V IPC objects, and only then reports `exit <returncode>`: the worker hands
-it the next job (worker/zygote.py checks from outside that nothing of the last job is
-left) or ends it. It is not dumpable, so the job's code, running as the same user, cannot
-ptrace it or read its memory; the worker never gives one zygote jobs of two users.
+When the child has exited the zygote ends every other process of the sandbox's PID namespace
+(a daemonised child, loader workers), empties the private `/tmp` and `/dev/shm`, removes
+System V IPC objects and POSIX message queues, and only then reports `exit <returncode>`:
+the worker hands it the next job (worker/zygote.py checks from outside that nothing of the
+last job is left) or ends it. It is not dumpable, so the job's code, running as the same
+user, cannot ptrace it or read its memory; the worker never gives one zygote jobs of two
+users.
 
 End of input exits 0; SIGTERM is ignored (a SIGTERM to every process, as Slurm's scancel
 sends, must reach the trainer, which checkpoints, without ending the sandbox under it).
@@ -44,7 +45,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 IPC_RMID = 0
 REAP_ROUNDS = 200  # x 10 ms: a namespace that will not empty ends the zygote instead
-PRIVATE_DIRS = (Path("/tmp"), Path("/dev/shm"))
+# /dev/mqueue: the sandbox's IPC namespace's POSIX message queues (worker/sandbox.py mounts
+# it), removed like files.
+PRIVATE_DIRS = (Path("/tmp"), Path("/dev/shm"), Path("/dev/mqueue"))
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -138,8 +141,9 @@ def _clear(folder: str, keep: set[str]) -> bool:
 
 
 def clear_private_dirs(dirs: tuple[Path, ...] = PRIVATE_DIRS) -> bool:
-    """Empty the sandbox's own /tmp and /dev/shm (the next job of this user starts with
-    nothing there, as a fresh sandbox would). False: something could not be removed."""
+    """Empty the sandbox's own /tmp, /dev/shm and POSIX message queues (the next job of this
+    user starts with nothing there, as a fresh sandbox would). False: something could not
+    be removed."""
     keep = _mount_points()
     clean = True
     for folder in dirs:

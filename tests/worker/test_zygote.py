@@ -2,7 +2,7 @@
 runs job after job, each in a fork, inside one bubblewrap sandbox. Real sandboxes, real
 trainers: jobs of one user run back to back without a new import and keep every file of
 their run directories; what a hostile job leaves (a daemon that ignores SIGTERM, files in
-/tmp and /dev/shm, System V shared memory) is gone before the next job starts; the job
+/tmp and /dev/shm, System V shared memory, a POSIX message queue) is gone before the next job starts; the job
 cannot read the zygote's memory; another user's job never gets it."""
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ os.makedirs("/tmp/locked/inner")
 os.chmod("/tmp/locked", 0)
 shm = libc.shmget(0, 4096, 0o1600)  # IPC_PRIVATE | IPC_CREAT, owner-only
 assert shm >= 0, ctypes.get_errno()
+mq = libc.mq_open(b"/planted", os.O_CREAT | os.O_RDWR, 0o600, None)  # a POSIX queue
+assert mq >= 0, ctypes.get_errno()
 print("LEFT", shm, flush=True)
 """
 
@@ -62,6 +64,9 @@ PROBE = """
 import json, os
 out = {"tmp": sorted(os.listdir("/tmp")), "shm": sorted(os.listdir("/dev/shm"))}
 out["sysv"] = open("/proc/sysvipc/shm").read().splitlines()[1:]
+import ctypes
+mq = ctypes.CDLL(None, use_errno=True).mq_open(b"/planted", os.O_RDONLY, 0, None)
+out["mq"] = "opened" if mq >= 0 else os.strerror(ctypes.get_errno())
 me, parent = os.getpid(), os.getppid()
 out["others"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit()
                        and int(p) not in (1, me, parent))
@@ -163,6 +168,7 @@ def test_what_a_job_leaves_is_gone_before_the_next_one(slot: Any, tmp_path: Path
     # (Only what leads to the data root, which lies under /tmp here, is left of /tmp.)
     assert not {"planted", "locked"} & set(out["tmp"]), out
     assert out["shm"] == [] and out["sysv"] == []
+    assert out["mq"] == os.strerror(2)  # ENOENT: the last job's POSIX queue is gone
     # The zygote is not dumpable: the job's code (the same user) cannot read its memory.
     assert out["mem"] == "PermissionError" and out["environ"] == "PermissionError"
 
