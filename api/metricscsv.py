@@ -1,7 +1,11 @@
 """A job's metrics as CSV (`GET /v1/jobs/{id}/metrics?format=csv`): every point of the
 chosen series, one row each (name, step, epoch, value, time), streamed page by page from
 the store so a million-point job is never one list in memory. Each page is read in a short
-session of its own: the route's session is closed before a response streams."""
+session of its own: the route's session is closed before a response streams.
+
+A metric's name is the job's choice: one that a spreadsheet would run as a formula is
+quoted (contracts/csvcells.py), and rows end in CRLF (RFC 4180), so that a name holding a
+lone CR is quoted too instead of starting a row of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from torchyard.contracts.csvcells import text_cell
 from torchyard.store.metrics import metric_names, point_rows
 
 CSV_COLUMNS = ("name", "step", "epoch", "value", "time")
@@ -40,7 +45,7 @@ def csv_lines(
     name then step ascending."""
     page = page or PAGE_ROWS
     buf = io.StringIO()
-    out = csv.writer(buf, lineterminator="\n")
+    out = csv.writer(buf, lineterminator="\r\n")
     out.writerow(CSV_COLUMNS)
     yield buf.getvalue().encode()
     if sel.names is None:
@@ -49,6 +54,7 @@ def csv_lines(
     else:
         names = sel.names
     for name in names:
+        cell = text_cell(name)
         after = sel.after_step
         while True:
             with sessions() as s:
@@ -60,7 +66,7 @@ def csv_lines(
                 break
             buf.seek(0)
             buf.truncate()
-            out.writerows((name, st, _number(ep), _number(v), _number(t)) for st, ep, v, t in rows)
+            out.writerows((cell, st, _number(ep), _number(v), _number(t)) for st, ep, v, t in rows)
             yield buf.getvalue().encode()
             if len(rows) < page:
                 break

@@ -17,6 +17,7 @@ from torchyard.client.cli_common import EXIT_FAIL, EXIT_OK, JOB_HELP, err, show
 from torchyard.client.sdk import Client, Download
 from torchyard.client.sysview import cmd_system, only_training, training_names
 from torchyard.client.tbexport import cmd_tensorboard
+from torchyard.contracts.csvcells import text_cell
 
 # A table longer than this is downsampled by the server: rich lays a table out cell by cell
 # (about 2 ms a row), and nobody reads ten thousand rows on a terminal (--csv has them all).
@@ -176,9 +177,11 @@ def describe_download(dl: Download, spec: dict[str, Any] | None = None) -> str:
 
 
 def write_csv(series: dict[str, dict[str, list]], out: TextIO) -> None:
+    """A column per series, named as the job named it but never as a spreadsheet formula
+    (contracts/csvcells.py); CRLF rows, so a name holding a lone CR is quoted too."""
     names, rows = wide_rows(series)
-    w = csv.writer(out, lineterminator="\n")
-    w.writerow(["step", *names])
+    w = csv.writer(out, lineterminator="\r\n")
+    w.writerow(["step", *map(text_cell, names)])
     for r in rows:
         w.writerow(["" if v is None else repr(v) if isinstance(v, float) else v for v in r])
 
