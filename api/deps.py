@@ -29,6 +29,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
+from sqlalchemy import select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -38,6 +39,7 @@ from torchyard.settings import Settings
 from torchyard.store.audit import Actor
 from torchyard.store.auth import hash_token, user_for_token
 from torchyard.store.jobs import Viewer
+from torchyard.store.models import User
 from torchyard.store.uisessions import csrf_token, user_for_session
 
 TOKEN_CACHE_TTL_S = 5.0
@@ -120,6 +122,13 @@ class TokenCache:
     def drop(self, token_hash: str) -> None:
         self._entries.pop(token_hash, None)
         self._pending.pop(token_hash, None)
+
+    def drop_user(self, user_id: int) -> None:
+        """Forget every credential of `user_id` (their permissions changed), and every
+        lookup under way: one that read the user before the change must not cache it."""
+        for key in [k for k, (_, p) in self._entries.items() if p.id == user_id]:
+            del self._entries[key]
+        self._pending.clear()
 
     def clear(self) -> None:
         self._entries.clear()
@@ -235,11 +244,24 @@ current_user = BearerAuth(
 )
 
 
-async def admin_user(user: Annotated[Principal, Depends(current_user)]) -> Principal:
-    """The caller, who must be an admin (403 otherwise, before the body is even read)."""
-    if not user.is_admin:
-        raise ApiError(403, "only admins may do this", code="forbidden")
-    return user
+def _is_admin_now(factory: sessionmaker[Session], user_id: int) -> bool:
+    with factory() as session:
+        return bool(session.scalar(select(User.is_admin).where(User.id == user_id)))
+
+
+async def admin_user(
+    request: Request, user: Annotated[Principal, Depends(current_user)]
+) -> Principal:
+    """The caller, who must be an admin (403 otherwise, before the body is even read).
+    Read afresh: the cached principal may predate a demotion made through another API
+    process (PATCH /v1/users/{name} drops the entries of its own process only), and these
+    routes (tokens, permissions, quotas) are few and rarely called."""
+    if user.is_admin:
+        factory = request.app.state.read_sessions
+        if await run_in_threadpool(_is_admin_now, factory, user.id):
+            return user
+        request.app.state.token_cache.drop_user(user.id)
+    raise ApiError(403, "only admins may do this", code="forbidden")
 
 
 def from_trusted_proxy(request: Request) -> bool:

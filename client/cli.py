@@ -3,7 +3,8 @@ command. `main(argv)` takes the command name as argv[0]. The commands themselves
 client/cmd_jobs.py (submit, status, list, cancel, logs), client/cmd_organise.py (tag, note,
 archive, delete, rerun), client/cmd_results.py (metrics, download), client/cmd_pool.py
 (workers, quota, queue), client/cmd_sweeps.py (sweep …),
-client/cmd_tokens.py (token list|create|revoke), client/cmd_audit.py (audit),
+client/cmd_tokens.py (token list|create|revoke), client/cmd_users.py (user set|link),
+client/cmd_audit.py (audit),
 client/cmd_projects.py (project create|list|show|add|remove),
 client/cmd_login.py (login); --follow is
 client/follow.py. The server's URL and token are
@@ -49,6 +50,7 @@ from torchyard.client.cmd_results import (
 )
 from torchyard.client.cmd_sweeps import add_sweep_commands, resolve_sweep_id
 from torchyard.client.cmd_tokens import add_token_commands
+from torchyard.client.cmd_users import add_user_commands
 from torchyard.client.cmd_webhooks import add_webhook_commands
 from torchyard.client.config import resolve
 from torchyard.client.errors import APIError, TorchyardError
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool_commands(cmd, sub, common)
     add_sweep_commands(sub, common)
     add_token_commands(sub, common)
+    add_user_commands(sub, common)
     add_audit_command(sub, common)
     add_project_commands(sub, common)
     add_webhook_commands(sub, common)

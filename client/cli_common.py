@@ -30,6 +30,25 @@ CONNECTION_HELP = f"URL and token, first found: {LOOKUP_ORDER}"
 Command = Callable[[Client, argparse.Namespace], int]
 
 
+def command_group(
+    sub: Any, common: argparse.ArgumentParser, name: str, help: str, description: str
+) -> Callable[[str, Command, str], argparse.ArgumentParser]:
+    """A command with actions (`torchyard NAME ACTION`); returns `action(name, fn, help)`,
+    which adds one with the connection options on it: argparse lets a subcommand's
+    defaults overwrite what its parent parsed, so they belong on the innermost parser."""
+    group = sub.add_parser(name, help=help, description=description)
+    actions = group.add_subparsers(dest=f"{name}_command", required=True, metavar="action")
+
+    def action(action_name: str, fn: Command, action_help: str) -> argparse.ArgumentParser:
+        sp: argparse.ArgumentParser = actions.add_parser(
+            action_name, parents=[common], help=action_help, description=action_help
+        )
+        sp.set_defaults(run=fn)
+        return sp
+
+    return action
+
+
 def show(renderable: RenderableType) -> None:
     render.show(renderable, sys.stdout)
 

@@ -855,6 +855,27 @@ class Client:
         """Revoke a token by id (your own, or anyone's for an admin): refused from then on."""
         self._json("DELETE", f"/v1/tokens/{int(token_id)}")
 
+    # -- users: permissions and single sign-on links ----------------------------------------
+
+    def set_user(
+        self, name: str, *, admin: bool | None = None, can_run_code: bool | None = None
+    ) -> dict:
+        """Give or take back a user's permissions (admins); None leaves one as it is. They
+        are the user's: every token and session of the user has them from the next request
+        on. Returns {"user", "admin", "can_run_code"}; taking admin from the last admin is
+        a 409."""
+        body = {
+            k: v for k, v in (("admin", admin), ("can_run_code", can_run_code)) if v is not None
+        }
+        return dict(self._json("PATCH", f"/v1/users/{_seg(name)}", json=body))
+
+    def link_user(self, name: str, subject: str) -> dict:
+        """Link a user to their account (its `sub`) at the server's single sign-on provider
+        (admins): that account then signs in as the user. Returns {"user", "issuer",
+        "subject"}."""
+        body = {"subject": subject}
+        return dict(self._json("PUT", f"/v1/users/{_seg(name)}/identity", json=body))
+
     # -- projects ---------------------------------------------------------------------------
 
     def projects(self) -> list[dict]:

@@ -5,6 +5,9 @@ A token is `ty_` + 43 url-safe characters (256 random bits); its hash is the loo
 key, so a stolen database yields no usable token. Revoking one also ends the dashboard
 sessions and login links made from it, and tells what the API's token cache must forget
 (api/routers/tokens.py), so a revoked token is refused at once.
+
+A user's `admin` and `can_run_code` are the user's, never a token's: a token made with one
+grants it to the user, and only `set_permissions` (PATCH /v1/users/{name}) takes it back.
 """
 
 from __future__ import annotations
@@ -49,6 +52,38 @@ def get_or_create_user(
 
 def user_named(session: Session, user_name: str) -> User | None:
     return session.scalar(select(User).where(User.name == user_name))
+
+
+class LastAdmin(Exception):
+    """Taking `admin` from the only admin left (nobody could give it back over the API)."""
+
+
+def permissions_of(user: User) -> dict[str, bool]:
+    return {"admin": user.is_admin, "can_run_code": user.can_run_code}
+
+
+def set_permissions(
+    session: Session, user: User, admin: bool | None, can_run_code: bool | None
+) -> dict[str, bool]:
+    """Set the permissions given (None: unchanged) and return them all: `PATCH
+    /v1/users/{name}`, the one way to take one back (they are the user's, so revoking the
+    token that granted one takes nothing). LastAdmin, nothing changed, when `user` is the
+    last admin and `admin` is False. The caller commits."""
+    if admin is False and user.is_admin:
+        # Every admin row locked (PostgreSQL): two admins demoting each other at once
+        # cannot both still see the other one an admin. SQLite's writers are serialised.
+        admins = session.scalars(select(User.id).where(User.is_admin).with_for_update()).all()
+        if set(admins) <= {user.id}:
+            raise LastAdmin(
+                f"{user.name!r} is the last admin: make another user an admin first "
+                "(nobody could give admin back over the API)"
+            )
+    if admin is not None:
+        user.is_admin = admin
+    if can_run_code is not None:
+        user.can_run_code = can_run_code
+    session.flush()
+    return permissions_of(user)
 
 
 def create_token(

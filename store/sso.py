@@ -5,11 +5,14 @@ PKCE verifier sent on to the provider and the sha256 of a cookie given to the br
 started it; `take_login` uses it once, within LOGIN_TTL_S, from that browser only (one
 conditional DELETE, so two callbacks with one state cannot both win).
 
-`sign_in` maps a verified identity (api/oidc.py) to a user: the provider account (issuer,
-`sub`) is bound to a torchyard user at its first sign-in, the user named by the configured
-claim (made if missing, an existing one taken over); later the binding wins over the name,
-and another account presenting a bound user's name is refused. The provider's groups are
-applied at each sign-in (`apply_groups`), then an ordinary API token is issued.
+`sign_in` maps a verified identity (api/oidc.py) to a user by the provider account (issuer,
+`sub`), never by name: a first sign-in makes the user the configured claim names and binds
+the account to it; a name that is already a user's is refused (the claim is often the
+account holder's own choice, so `preferred_username=admin` would otherwise be the admin),
+and the refusal tells an admin how to link the account to that user (`link_identity`,
+`PUT /v1/users/{name}/identity`) once they know it is theirs. Later the binding wins over
+the name. The provider's groups are applied at each sign-in (`apply_groups`: admin only
+through TORCHYARD_OIDC_ADMIN_GROUPS), then an ordinary API token is issued.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
+import shlex
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -51,6 +55,10 @@ SSO_CLI_LABEL = "sso-cli"  # the token `torchyard login URL --sso` saves
 
 class SsoRefused(Exception):
     """A verified identity that may not sign in (its message says why, for the user)."""
+
+
+class IdentityTaken(Exception):
+    """A provider account an admin would link that is already another user's."""
 
 
 @dataclass(frozen=True)
@@ -139,34 +147,71 @@ def _identity_row(session: Session, issuer: str, subject: str) -> UserIdentity |
 def bound_user(
     session: Session, ident: Identity, actor_client: str | None
 ) -> tuple[User, UserIdentity]:
-    """The user the identity signs in as, binding it on its first sign-in. SsoRefused when
-    the named user is bound to another account of this provider."""
+    """The user the identity signs in as: the one its account is bound to, else a new user
+    of its name, bound to it. SsoRefused when a user of that name exists (bound to another
+    account, or to none: made with a token, or by an earlier account renamed since)."""
     row = _identity_row(session, ident.issuer, ident.subject)
     if row is not None:
         user = session.get(User, row.user_id)
         assert user is not None  # the foreign key cascades
         row.last_login_at = utcnow()
         return user, row
-    user = user_named(session, ident.name)
-    if user is not None:
-        taken = session.scalar(
-            select(UserIdentity.subject).where(
-                UserIdentity.issuer == ident.issuer, UserIdentity.user_id == user.id
-            )
-        )
-        if taken is not None:
-            raise SsoRefused(
-                f"the torchyard user {ident.name!r} belongs to another account at the "
-                "sign-in provider: ask an admin"
-            )
-    else:
-        user = get_or_create_user(session, ident.name)
-        record(session, Actor(user.id, user.name, actor_client), "user.create",
-               f"user:{user.name}", {"admin": False, "can_run_code": False, "via": "sso"})  # fmt: skip
+    if user_named(session, ident.name) is not None:
+        raise SsoRefused(_not_linked(session, ident))
+    user = get_or_create_user(session, ident.name)
+    record(session, Actor(user.id, user.name, actor_client), "user.create",
+           f"user:{user.name}", {"admin": False, "can_run_code": False, "via": "sso"})  # fmt: skip
     row = UserIdentity(issuer=ident.issuer, subject=ident.subject, user_id=user.id, granted={})
     session.add(row)
     session.flush()
     return user, row
+
+
+def _not_linked(session: Session, ident: Identity) -> str:
+    """The refusal of a first sign-in under an existing user's name: for the user, and for
+    the admin they will ask (what to run once they know the account is that user's)."""
+    linked = session.scalar(
+        select(UserIdentity.subject)
+        .join(User, User.id == UserIdentity.user_id)
+        .where(UserIdentity.issuer == ident.issuer, User.name == ident.name)
+    )
+    whose = "exists and is not linked to this sign-in account"
+    if linked is not None:
+        whose = "is linked to another sign-in account"
+    return (
+        f"the torchyard user {ident.name!r} {whose} (subject {ident.subject!r}): ask an "
+        "admin. If the user is yours, an admin links it with `torchyard user link "
+        f"{shlex.quote(ident.name)} {shlex.quote(ident.subject)}`; else take another name "
+        "at the sign-in provider"
+    )
+
+
+def link_identity(session: Session, user: User, issuer: str, subject: str) -> str | None:
+    """Bind the account (`issuer`, `subject`) to `user` (an admin's doing): its next sign-in
+    is as `user`. Replaces the user's link to another account of that issuer, keeping what
+    its groups gave (so leaving a group still takes it back). Returns the subject linked
+    before (None: none). IdentityTaken when the account is another user's."""
+    row = _identity_row(session, issuer, subject)
+    if row is not None and row.user_id != user.id:
+        owner = session.get(User, row.user_id)
+        raise IdentityTaken(
+            f"subject {subject!r} is linked to the user {owner.name if owner else '?'!r}"
+        )
+    if row is not None:
+        return subject
+    old = session.scalar(
+        select(UserIdentity)
+        .where(UserIdentity.issuer == issuer, UserIdentity.user_id == user.id)
+        .with_for_update()
+    )
+    granted: dict[str, Any] = {}
+    if old is not None:
+        granted = dict(old.granted or {})
+        session.delete(old)
+        session.flush()
+    session.add(UserIdentity(issuer=issuer, subject=subject, user_id=user.id, granted=granted))
+    session.flush()
+    return None if old is None else old.subject
 
 
 def _wanted_roles(groups: set[str], rules: GroupRules) -> dict[str, str]:

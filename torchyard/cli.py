@@ -38,6 +38,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "API tokens over the API: `token list`, `token create --user NAME` (admins), "
         "`token revoke ID`; the first admin's: `token create --local --user NAME --admin`",
     ),
+    "user": (
+        "torchyard.client.cli",
+        "main",
+        "users (admins): `user set NAME [--admin|--no-admin] [--code|--no-code]`, "
+        "`user link NAME SUBJECT` (a single sign-on account)",
+    ),
     "submit": ("torchyard.client.cli", "main", "submit a job spec (JSON or YAML)"),
     "status": ("torchyard.client.cli", "main", "show a job"),
     "list": ("torchyard.client.cli", "main", "list jobs"),

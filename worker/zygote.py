@@ -80,6 +80,7 @@ class Zygote:
         self.pump: ReadyPump | None = None  # its own output (the worker's stderr)
         self.rc: int | None = None  # the current job's return code, once reported
         self.busy = False
+        self.host_pid: int | None = None  # the zygote's own pid, as found at its last job
         self._lock = threading.Lock()
 
     @property
@@ -114,7 +115,7 @@ class Zygote:
     def start(self, go: dict[str, object], out_fd: int, timeout: float) -> int | None:
         """Send the job with its log pipe; the child's host pid once the zygote forked it,
         None if it did not (then the zygote is not to be used again)."""
-        zygote = self.zygote_pid
+        zygote = self.host_pid = self.zygote_pid
         try:
             socket.send_fds(self.sock, [json.dumps(go).encode()], [out_fd])
             reply = self._read(timeout)
@@ -142,6 +143,17 @@ class Zygote:
         elif not self.alive():
             self.rc, self.busy = -signal.SIGKILL, False
         return self.rc
+
+    def stopped(self) -> bool:
+        """The zygote is stopped (SIGSTOP from its job, the same uid, or traced): it will
+        not reap its job nor report it until continued, which may be never."""
+        if self.host_pid is None:
+            return False
+        try:
+            stat = Path(f"/proc/{self.host_pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
     def _read(self, timeout: float) -> str | None:
         with self._lock:
@@ -207,9 +219,25 @@ class ZygoteTrainer:
 
     def poll(self) -> int | None:
         rc = self.zygote.poll()
+        if rc is None and self._exited() and self.zygote.stopped():
+            # Its job has exited, and the zygote that would report it was stopped (by the
+            # job: a job that stops its zygote ends only itself): the sandbox is ended, and
+            # with it whatever the job left; the slot gets a new zygote.
+            log.warning("the warm trainer was stopped under its job; its sandbox is ended")
+            self.zygote.end()
+            rc = self.zygote.poll()
         if rc is not None:
             self._ended()
         return rc
+
+    def _exited(self) -> bool:
+        """The job's process has exited (its pidfd is readable), or is not known by one."""
+        if self._pidfd is None:
+            return True
+        try:
+            return bool(select.select([self._pidfd], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

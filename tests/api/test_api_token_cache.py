@@ -124,3 +124,29 @@ def test_a_logout_during_the_lookup_is_not_undone_by_it() -> None:
         assert cache.get("session:h") is None  # but nothing after it is let in from cache
 
     asyncio.run(main())
+
+
+def test_drop_user_forgets_every_credential_of_the_user_and_lookups_under_way() -> None:
+    """PATCH /v1/users/{name} drops the user's entries: a lookup that read the user before
+    the change must not put the old rights back."""
+
+    async def main() -> None:
+        cache = TokenCache()
+        bob = Principal(2, "bob", is_admin=False)
+        cache.put("a", ALICE)
+        cache.put("session:b", ALICE)
+        cache.put("c", bob)
+        started = asyncio.Event()
+
+        async def load() -> Principal | None:
+            started.set()
+            await asyncio.sleep(0.05)
+            return ALICE  # as read before the change
+
+        pending = asyncio.ensure_future(cache.fetch("d", load))
+        await started.wait()
+        cache.drop_user(ALICE.id)
+        assert await pending == ALICE
+        assert [cache.get(k) for k in ("a", "session:b", "c", "d")] == [None, None, bob, None]
+
+    asyncio.run(main())

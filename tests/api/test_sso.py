@@ -1,8 +1,8 @@
 """Single sign-on against a real OpenID provider (node-oidc-provider, tests/oidc_provider.py),
 on each database: the dashboard's code flow driven through the provider's pages with httpx,
 the device flow's API, and every refusal (wrong issuer, wrong audience, an expired ID token,
-a replayed or foreign state, a user removed at the provider, another account under a bound
-name), the groups' mapping to admins and project roles, logout, and a provider that is down."""
+a replayed or foreign state, a user removed at the provider, another account under an
+existing user's name until an admin links it), the groups' mapping to admins and project roles, logout, and a provider that is down."""
 
 from __future__ import annotations
 
@@ -304,19 +304,33 @@ def test_a_user_removed_at_the_provider_cannot_sign_in(
     assert audit(db_url, "auth.login") == []
 
 
-def test_another_account_under_a_bound_name_is_refused(
-    sso: TestClient, provider: OidcProvider, factory: Factory, db_url: str
+def test_an_existing_user_signs_in_once_an_admin_links_the_account(
+    sso: TestClient, provider: OidcProvider, factory: Factory, db_url: str, admin: dict[str, str]
 ) -> None:
-    factory.token("bob")  # a user made with a token: bound at their first sign-in
+    factory.token("bob")  # a user made with a token: never taken over by name
+    refused(sign_in(sso, provider, "bob"), 403, "torchyard user link bob sub-bob")
+    link = sso.put("/v1/users/bob/identity", json={"subject": "sub-bob"}, headers=admin)
+    assert link.status_code == 200, link.text
+    assert link.json() == {"user": "bob", "issuer": provider.issuer, "subject": "sub-bob"}
     assert sign_in(sso, provider, "bob").status_code == 303
+    assert sso.get("/v1/ui/session").json()["user"] == "bob"
     sso.cookies.clear()
     provider.set_users({**USERS, "bob": {"sub": "sub-impostor", "groups": []}})
-    refused(sign_in(sso, provider, "bob"), 403, "belongs to another account")
+    refused(sign_in(sso, provider, "bob"), 403, "is linked to another sign-in account")
     # the bound account signs in as bob even under a new name at the provider
     provider.set_users({**USERS, "robert": {"sub": "sub-bob", "groups": []}})
     sso.cookies.clear()
     assert sign_in(sso, provider, "robert").status_code == 303
     assert sso.get("/v1/ui/session").json()["user"] == "bob"
+    # an account linked to one user is not linked to another; a user's link is replaced
+    factory.token("carol")
+    taken = sso.put("/v1/users/carol/identity", json={"subject": "sub-bob"}, headers=admin)
+    assert taken.status_code == 409 and "'bob'" in taken.json()["error"]["message"]
+    again = sso.put("/v1/users/bob/identity", json={"subject": "sub-bob-2"}, headers=admin)
+    assert again.status_code == 200
+    assert [e.details["before"] for e in audit(db_url, "user.link")] == [None, "sub-bob"]
+    me = {"Authorization": f"Bearer {factory.token('dave')}"}
+    assert sso.put("/v1/users/bob/identity", json={"subject": "x"}, headers=me).status_code == 403
 
 
 def test_groups_give_and_take_admin_and_project_roles(

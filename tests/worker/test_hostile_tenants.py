@@ -8,19 +8,23 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from test_zygote import _bundle, _request, _script, slot  # noqa: F401 (slot: its fixture)
 
 from torchyard.settings import Settings
 from torchyard.worker import seccomp
 from torchyard.worker.cgroups import TrainerCgroup
 from torchyard.worker.launch_local import trainer_cgroup
 from torchyard.worker.sandbox import Mounts, identity, sandbox_argv, sandbox_env, support
+from torchyard.worker.zygote import ZygoteTrainer
 
 needs_bwrap = pytest.mark.skipif(
     not support().ok and os.environ.get("CI") != "true", reason=f"no sandbox: {support().why}"
@@ -196,3 +200,29 @@ def test_a_fork_bomb_stops_at_the_trainer_cgroups_pids_limit(tmp_path: Path) -> 
     while cg.pids() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert cg.pids() == []
+
+
+STOP_THE_ZYGOTE = """
+import os, signal
+os.kill(os.getppid(), signal.SIGSTOP)  # permitted (the same uid); then the job exits 0
+"""
+
+
+@needs_bwrap
+@pytest.mark.hostile
+def test_a_job_that_stops_its_zygote_ends_and_the_slot_gets_a_new_one(
+    slot: Any,  # noqa: F811 (the fixture)
+    tmp_path: Path,
+) -> None:
+    """The stopped zygote never reaps its job nor reports it: the job stayed `running` until
+    cancelled. The worker sees the job's pidfd readable and the zygote stopped, and ends the
+    sandbox; the slot's next warm trainer is a new one."""
+    settings, warm, launcher = slot
+    code = _bundle(tmp_path, {"stop.py": STOP_THE_ZYGOTE})
+    run = settings.storage / "jobs" / "a"
+    trainer = launcher.start(_request(settings, run, _script("stop.py"), code))
+    assert isinstance(trainer, ZygoteTrainer)
+    assert trainer.wait(30) == -signal.SIGKILL, (run / "output.log").read_text()
+    assert trainer.zygote.proc.poll() is not None  # the sandbox is gone
+    warm.refill()
+    assert warm.proc is not None and warm.proc is not trainer.zygote.proc
