@@ -13,6 +13,7 @@ temporary name beside the target, are fsynced, renamed over it and the folder fs
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -26,6 +27,7 @@ from typing import IO, Any, BinaryIO, cast
 from urllib.parse import unquote, urlparse
 
 from torchyard.settings import Settings
+from torchyard.storage import beneath
 from torchyard.storage.base import (
     COPY_BLOCK,
     BoundedReader,
@@ -84,19 +86,6 @@ def resolve_inside(base: Path, relative: str) -> Path:
 def _verify(name: str, got: str, want: str | None) -> None:
     if want is not None and got != want:
         raise ChecksumMismatch(f"{name}: its bytes hash to {got}, not {want}")
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_beside(target: Path) -> Path:
-    return target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
 
 
 def _is_temp(name: str) -> bool:
@@ -269,21 +258,44 @@ class LocalStorage(Storage):
 
     # ---------------------------------------------------------------- writing
 
-    def _write_atomic(self, key: str, fill: Any) -> ObjectInfo:
-        """`fill(f)` writes the content into a temporary file beside the target, which is
-        then fsynced and renamed over it (the folder fsynced too)."""
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_beside(target)
+    def _folder(self, key: str) -> tuple[int, str]:
+        """(the key's folder, made where missing, by descriptor with no link on the way;
+        the key's last part). The caller closes the folder."""
+        *folders, name = check_key(key).split("/")
+        self.root.mkdir(parents=True, exist_ok=True)  # the admin's folder, above any job's
         try:
-            with open(tmp, "wb") as f:
-                fill(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+            return beneath.open_dir(self.root, "/".join(folders), create=True), name
+        except UnsafePath:
+            raise _link_refused(key) from None
+
+    def _write_atomic(self, key: str, fill: Any) -> ObjectInfo:
+        """`fill(f)` writes the content into a temporary file beside the target (O_EXCL, in
+        the target's folder by descriptor), which is then fsynced and renamed over it (the
+        folder fsynced too)."""
+        folder, name = self._folder(key)
+        tmp = f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        try:
+            if _is_link(name, folder):  # refused, as a read would be (the rename replaces it)
+                raise _link_refused(key)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+            with os.fdopen(os.open(tmp, flags, 0o644, dir_fd=folder), "wb") as f:
+                try:
+                    fill(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=folder)
+                    raise
+            try:
+                os.rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=folder)
+                raise
+            os.fsync(folder)
         finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(target.parent)
+            os.close(folder)
         return self.stat(key)
 
     def write_stream(self, key: str, src: IO[bytes]) -> ObjectInfo:
@@ -297,21 +309,22 @@ class LocalStorage(Storage):
     ) -> ObjectInfo:
         if not move:
             return self._copy_in(key, path, sha256)
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "rb") as f:
             os.fsync(f.fileno())
             got = sha256_file(f)
         _verify(self.describe(key), got, sha256)
+        folder, name = self._folder(key)
         try:
-            os.replace(path, target)
+            os.rename(path, name, dst_dir_fd=folder)
+            os.fsync(folder)
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
             info = self._copy_in(key, path, got)  # another file system: copy, then drop it
             Path(path).unlink(missing_ok=True)
             return info
-        _fsync_dir(target.parent)
+        finally:
+            os.close(folder)
         return replace(self.stat(key), sha256=got)
 
     def _copy_in(self, key: str, path: Path, sha256: str | None) -> ObjectInfo:
@@ -329,16 +342,19 @@ class LocalStorage(Storage):
         return replace(self._write_atomic(key, fill), sha256=h.hexdigest())
 
     def append(self, key: str, data: bytes) -> None:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        folder, name = self._folder(key)
         try:
-            fd = os.open(
-                target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644
-            )
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+            fd = os.open(name, flags, 0o644, dir_fd=folder)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise _link_refused(key) from None
             raise
+        finally:
+            os.close(folder)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO in its place: never written
+            os.close(fd)
+            raise _link_refused(key)
         try:
             view = memoryview(data)
             while view:
@@ -348,9 +364,15 @@ class LocalStorage(Storage):
 
     def delete(self, key: str) -> bool:
         try:
-            os.unlink(self._path(key))
+            folder, name = self._parent(key)
+        except FileNotFoundError:
+            return False
+        try:
+            os.unlink(name, dir_fd=folder)
         except _MISSING:
             return False
+        finally:
+            os.close(folder)
         return True
 
     # ---------------------------------------------------------------- on this host

@@ -48,7 +48,7 @@ from torchyard.contracts.eventmodel import (
     parse_event_line,
 )
 from torchyard.settings import Settings
-from torchyard.storage import Storage, Tail
+from torchyard.storage import Storage, Tail, beneath
 from torchyard.storage.local import FileTail
 from torchyard.store.attempts import fence_flush, note_attempt
 from torchyard.store.checkpoints import mark_deleted, record_checkpoint, unrecorded_files
@@ -62,6 +62,7 @@ from torchyard.worker.publish import (
     CheckpointUploads,
     UploadPending,
 )
+from torchyard.worker.runfiles import quoted
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,9 @@ class SetAside:
 
     def take_log_lines(self) -> list[str]:
         """What to append to the job log since the last call."""
-        lines = [f"===== torchyard: event line set aside: {why} =====\n" for why in self.notes]
+        lines = [
+            f"===== torchyard: event line set aside: {quoted(why)} =====\n" for why in self.notes
+        ]
         if self.unnamed:
             lines.append(
                 f"===== torchyard: {self.unnamed} more event lines set aside "
@@ -143,10 +146,8 @@ def last_rank_event(path: Path, start: int, attempt: int) -> dict[str, Any] | No
     its own file (contracts/eventfiles.py) past byte `start`, as written; None if there is
     none."""
     try:
-        with path.open("rb") as f:
-            f.seek(start)
-            data = f.read(RANK_EVENTS_READ)
-    except OSError:
+        data = beneath.read_file(path.parent, path.name, RANK_EVENTS_READ, start)
+    except (OSError, UnsafePath):
         return None
     return _last_rank_event(data, attempt)
 
@@ -357,6 +358,10 @@ class EventRecorder:
     _reported: int = 0  # set-aside count last written to the attempt's reason
     # This attempt's trainer waits at these rungs for the pruner (worker/supervisor.py).
     rungs: list[RungEvent] = field(default_factory=list)
+    # A local run dir: (sha256, bytes) of a checkpoint as the worker reads it, by its path
+    # relative to the run dir. What is recorded is measured, never the event's word.
+    measure: Callable[[str], tuple[str, int]] | None = None
+    _measured: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def _own(self, ev: Event) -> bool:
         if self.attempt_number is None:
@@ -504,6 +509,7 @@ class EventRecorder:
         anything else propagate (the buffer is kept); so does UploadPending while a
         checkpoint of the batch is not durable in the object store yet."""
         self._await_uploads()
+        self._measure()
         for stage in range(3):
             try:
                 tx(self.write)
@@ -550,6 +556,36 @@ class EventRecorder:
             self.waiting_upload = True
             raise UploadPending(f"{pending} checkpoint(s) still going up to the object store")
 
+    def _measure(self) -> None:
+        """Each checkpoint of the batch gets the sha256 and size the worker measured: read
+        from the run dir by descriptor (a local one) or counted while it went up (an
+        object store). One whose bytes do not hash to what its event announced, or whose
+        file cannot be read, is set aside; what it pruned still stops being listed."""
+        keep = []
+        for c in self.checkpoints:
+            path = c.path or ""
+            got = self._measured.get(path)
+            if got is None and self.uploads is not None:
+                got = self.uploads.measured.get(path)
+            if got is None and self.measure is not None:
+                try:
+                    got = self._measured[path] = self.measure(path)
+                except (OSError, UnsafePath) as e:
+                    self.set_aside.add(f"checkpoint {path}: its file cannot be read ({e})")
+                    self.pruned_unrecorded.extend(c.pruned or [])
+                    continue
+            if got is None:  # nothing measures (a recorder of its own, in tests)
+                keep.append(c)
+                continue
+            if c.sha256 and c.sha256 != got[0]:
+                self.set_aside.add(
+                    f"checkpoint {path}: its file does not match the sha256 its event announced"
+                )
+                self.pruned_unrecorded.extend(c.pruned or [])
+                continue
+            keep.append(c.model_copy(update={"sha256": got[0], "bytes": got[1]}))
+        self.checkpoints = keep
+
     def _drop(self, stage: int, e: BaseException) -> None:
         why = f"the store refused the batch ({_short(e)})"
         log.warning("job %s: %s; setting it aside", self.job_id, why)
@@ -567,6 +603,7 @@ class EventRecorder:
         self.pruned_stored, self.dropped_uploads = [], []
         self.progress, self.started_pending = None, False
         self._reported = self.set_aside.count
+        self._measured.clear()
 
 
 def _short(e: BaseException) -> str:

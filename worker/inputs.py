@@ -12,16 +12,21 @@ fails the attempt without a retry. A full disk or a store out of reach is not th
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
+import time
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from torchyard.settings import Settings
-from torchyard.storage import storage_for
+from torchyard.storage import beneath, storage_for
 from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.datasets import DatasetRejected, needs_files, sync_dataset
 from torchyard.storage.keys import UnsafePath
+from torchyard.storage.local import LocalStorage
 from torchyard.store.bundlefiles import BundleRejected, archive_key, unpack_stored
 from torchyard.store.checkpoints import checkpoint_key, init_checkpoint
 from torchyard.store.models import Checkpoint
@@ -73,10 +78,16 @@ def init_source(session: Session, spec: dict[str, Any]) -> Checkpoint | None:
 
 def init_file(settings: Settings, row: Checkpoint) -> Path:
     """A local file of an init checkpoint (what the trainer gets as `--init`), its
-    recorded sha256 checked (a read of the whole file: never inside a store transaction)."""
+    recorded sha256 checked (a read of the whole file: never inside a store transaction).
+    On a local storage the file lies in the source job's run directory, where that job can
+    swap it for a link at any instant: the worker copies it by descriptor into its own
+    cache and checks the copy, and the trainer gets the copy."""
     try:
         storage = storage_for(settings)
-        return storage.local_copy(checkpoint_key(storage, row), sha256=row.sha256)
+        key = checkpoint_key(storage, row)
+        if not isinstance(storage, LocalStorage):  # fetched into this host's cache, checked
+            return storage.local_copy(key, sha256=row.sha256 or None)
+        return _private_copy(init_cache(settings), storage.root, key, row.sha256 or None)
     except ChecksumMismatch:
         raise InputError(
             f"init: job {row.job_id}'s {row.path} does not match its recorded sha256"
@@ -85,6 +96,44 @@ def init_file(settings: Settings, row: Checkpoint) -> Path:
         raise InputError(
             f"init: the file of job {row.job_id}'s checkpoint {row.path} is gone"
         ) from None
+
+
+def init_cache(settings: Settings) -> Path:
+    """Init weights copied out of run directories: under TORCHYARD_HOME, the worker's own."""
+    return settings.home.resolve() / "cache" / "init"
+
+
+INIT_CACHE_KEEP_S = 24 * 3600  # a copy not used for a day is removed when another is made
+
+
+def _private_copy(cache: Path, root: Path, key: str, sha256: str | None) -> Path:
+    """`root/key` copied into `cache/<sha256>` (content-addressed: reused while it is
+    there), hashed as it is copied and checked against `sha256`."""
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if sha256 is not None:
+        known = cache / sha256
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(known)  # in use: not evicted
+            return known
+    tmp = cache / f".{secrets.token_hex(8)}.tmp"
+    try:
+        got, _ = beneath.copy_out(root, key, tmp)
+        if sha256 is not None and got != sha256:
+            raise ChecksumMismatch(f"sha256 {got}, recorded {sha256}")
+        os.replace(tmp, cache / got)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _evict(cache, keep=got)
+    return cache / got
+
+
+def _evict(cache: Path, keep: str) -> None:
+    cutoff = time.time() - INIT_CACHE_KEEP_S
+    with os.scandir(cache) as entries:
+        for e in entries:
+            if e.name != keep and e.stat(follow_symlinks=False).st_mtime < cutoff:
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
 
 
 def data_ready(settings: Settings, spec: dict[str, Any]) -> Path | None:

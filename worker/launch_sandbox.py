@@ -48,7 +48,8 @@ from functools import cache
 from pathlib import Path
 
 from torchyard.settings import Settings
-from torchyard.storage import storage_for
+from torchyard.storage import beneath, storage_for
+from torchyard.worker import seccomp
 from torchyard.worker.launch_local import (
     LocalTrainer,
     OomCount,
@@ -66,6 +67,7 @@ from torchyard.worker.sandbox import (
     JOB,
     Identity,
     Mounts,
+    give_run_dir,
     give_to,
     identity,
     sandbox_argv,
@@ -111,6 +113,7 @@ class SandboxTrainer(LocalTrainer):
                  pump: LogPump, init_pid: int | None, oom_count: OomCount):  # fmt: skip
         super().__init__(proc, log_path, oom_before, pump, oom_count)
         self._init_pid = init_pid
+        self.writable: tuple[Path, ...] = ()  # folders besides the run dir it may write
 
     def poll(self) -> int | None:
         rc = super().poll()
@@ -201,7 +204,7 @@ class SandboxLauncher:
 
     def _slot_dir(self, name: str) -> Path:
         d = self.staging / name
-        shutil.rmtree(d, ignore_errors=True)
+        beneath.discard(d)
         d.mkdir(mode=0o700)
         return d
 
@@ -211,7 +214,7 @@ class SandboxLauncher:
         runs.mkdir(parents=True, exist_ok=True)
         sweep_next_folders(runs)
         nxt = Path(tempfile.mkdtemp(prefix=f"{_next_prefix()}{os.getpid()}-", dir=runs))
-        give_to(nxt, self.ident.owns())
+        give_run_dir(nxt, self.ident.owns())
         code = self._slot_dir("code")
         give_to(code, self.ident.owns())
         mounts = Mounts(run_dir=nxt, code=code, data=self.settings.data, lease=_lease(env))
@@ -223,7 +226,7 @@ class SandboxLauncher:
             )
         except BaseException:
             ours.close()
-            shutil.rmtree(nxt, ignore_errors=True)
+            beneath.discard(nxt)
             raise
         finally:
             theirs.close()
@@ -261,9 +264,9 @@ class SandboxLauncher:
             self._end_zygote()
             return None
         old, z.folder, z.owns_folder = z.folder, launch.run_dir, False
-        shutil.rmtree(old, ignore_errors=True)  # the old tree: its files live on as links
+        beneath.discard(old)  # the old tree: its files live on as links
         try:
-            give_to(launch.run_dir, self.ident.owns())
+            give_run_dir(launch.run_dir, self.ident.owns())
             code = self._private_code(launch.code_dir, self.staging / "code")
         except OSError as e:
             log.warning("could not hand the warm trainer its code (%s); cold start", e)
@@ -283,7 +286,9 @@ class SandboxLauncher:
             pump.join(READY_WAIT_S)
             return None
         z.tenant = request.tenant
-        return ZygoteTrainer(z, child, request.log_path, oom_before, pump, self._oom_count)
+        handle = ZygoteTrainer(z, child, request.log_path, oom_before, pump, self._oom_count)
+        handle.writable = (code,) if code is not None else ()  # the disk watch counts /code
+        return handle
 
     def _reuse(self) -> Handed | None:
         """The zygote back from its ended job, ready for the next (WarmTrainer.refill), or
@@ -313,9 +318,7 @@ class SandboxLauncher:
         try:
             nxt = Path(tempfile.mkdtemp(prefix=f"{_next_prefix()}{os.getpid()}-", dir=runs))
             made = folder_identity(nxt)
-            st = os.stat(z.folder)
-            os.chmod(nxt, stat.S_IMODE(st.st_mode))
-            os.chown(nxt, st.st_uid, st.st_gid)
+            same_owner(z.folder, nxt)
             mirror(z.folder, nxt)
             exchange(z.folder, nxt)
             if not z.holds(nxt):
@@ -326,7 +329,7 @@ class SandboxLauncher:
         except OSError as e:
             log.warning("could not take the warm trainer's folder back (%s); a new one starts", e)
             if nxt is not None and made is not None and folder_identity(nxt) == made:
-                shutil.rmtree(nxt, ignore_errors=True)  # only ever the links it made
+                beneath.discard(nxt)  # only ever the links it made
             self._end_zygote()
             return None
         z.folder, z.owns_folder, z.rc = nxt, True, None
@@ -338,7 +341,7 @@ class SandboxLauncher:
             return
         z.end()
         if z.owns_folder:
-            shutil.rmtree(z.folder, ignore_errors=True)
+            beneath.discard(z.folder)
 
     def _end_input(self, proc: subprocess.Popen[bytes]) -> None:
         """The worker is stopping: end of input makes the idle zygote exit 0."""
@@ -380,7 +383,7 @@ class SandboxLauncher:
 
     def _cold(self, request: LaunchRequest, oom_before: int | None) -> SandboxTrainer:
         launch = request.launch
-        give_to(launch.run_dir, self.ident.owns())
+        give_run_dir(launch.run_dir, self.ident.owns())
         # Not the standby's code folder: it is bound into the waiting standby.
         code = self._private_code(launch.code_dir, self._slot_dir("cold-code"))
         inputs: list[tuple[Path, Path]] = []
@@ -398,7 +401,9 @@ class SandboxLauncher:
             proc, init = self._spawn(trainer_argv(inside), mounts, env, w)
         finally:
             os.close(w)
-        return SandboxTrainer(proc, request.log_path, oom_before, pump, init, self._oom_count)
+        handle = SandboxTrainer(proc, request.log_path, oom_before, pump, init, self._oom_count)
+        handle.writable = (code,) if code is not None else ()  # the disk watch counts /code
+        return handle
 
     def _spawn(self, inner: list[str], mounts: Mounts, env: dict[str, str], out_fd: int,
                stdin: int = subprocess.DEVNULL) -> tuple[subprocess.Popen[bytes], int | None]:  # fmt: skip
@@ -408,11 +413,13 @@ class SandboxLauncher:
         trainer inside starts with SIGTERM's default again (`env --default-signal`) and
         checkpoints on it; the worker ends a sandbox with SIGKILL (SandboxTrainer)."""
         r, w = os.pipe()
-        argv = sandbox_argv([*_default_sigterm(), *inner], mounts, self.ident)
-        argv[1:1] = ["--info-fd", str(w)]
         try:
-            proc = spawn(argv, env=env, cwd=self.staging, log_fd=out_fd, stdin=stdin,
-                         pass_fds=(w,), cgroup=self.cgroup, ignore_sigterm=True)  # fmt: skip
+            with seccomp.filter_fd() as filt:  # worker/seccomp.py: bwrap loads it last
+                argv = sandbox_argv([*_default_sigterm(), *inner], mounts, self.ident, filt)
+                argv[1:1] = ["--info-fd", str(w)]
+                fds = (w,) if filt is None else (w, filt)
+                proc = spawn(argv, env=env, cwd=self.staging, log_fd=out_fd, stdin=stdin,
+                             pass_fds=fds, cgroup=self.cgroup, ignore_sigterm=True)  # fmt: skip
         finally:
             os.close(w)
         return proc, _read_info(r)
@@ -422,8 +429,8 @@ class SandboxLauncher:
         itself kept: a standby sees it through a bind), owned by the sandbox's user."""
         if code_dir is None:
             return None
-        _empty(dest)
-        shutil.copytree(code_dir, dest, symlinks=True, dirs_exist_ok=True)
+        beneath.empty_dir(dest)
+        beneath.copy_tree(code_dir, dest)
         give_to(dest, self.ident.owns())
         return dest
 
@@ -449,7 +456,7 @@ class SandboxLauncher:
         if self.ident.drop:  # a root worker's files are private: the sandbox's user gets a copy
             folder = self._slot_dir(f"inputs-{name}")
             host = folder / path.name
-            shutil.copyfile(path, host)
+            beneath.copy_out(path.parent, path.name, host)
             give_to(folder, self.ident.owns())
         inputs.append((host, inside))
         return inside
@@ -475,33 +482,26 @@ def inputs_in_run_dir(launch: Launch) -> bool:
 
 def mirror(src: Path, dst: Path, limit: int = MIRROR_MAX_ENTRIES) -> None:
     """`dst` (empty) gets `src`'s tree: folders made anew, everything else hard-linked
-    (symlinks as themselves, never followed). OSError past `limit` entries: a job that
-    filled its run directory with files starts cold rather than stall its hand-over."""
-    todo = [(src, dst)]
-    count = 0
-    while todo:
-        here, there = todo.pop()
-        with os.scandir(here) as entries:
-            for entry in entries:
-                count += 1
-                if count > limit:
-                    raise OSError(f"over {limit} files in the run directory")
-                target = there / entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    target.mkdir(mode=stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode))
-                    todo.append((Path(entry.path), target))
-                else:
-                    os.link(entry.path, target, follow_symlinks=False)
+    (symlinks as themselves, never followed), by descriptor on both sides. OSError past
+    `limit` entries: a job that filled its run directory with files starts cold rather
+    than stall its hand-over."""
+    beneath.link_tree(src, dst, limit)
+
+
+def same_owner(model: Path, folder: Path) -> None:
+    """`folder` (the worker's, fresh) gets `model`'s owner and mode (sticky bit included)."""
+    st = os.stat(model, follow_symlinks=False)
+    fd = beneath.open_dir(folder)
+    try:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        os.fchown(fd, st.st_uid, st.st_gid)
+    finally:
+        os.close(fd)
 
 
 def _empty(folder: Path) -> None:
     """Remove what `folder` holds, the folder itself kept (a sandbox may bind it)."""
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+    beneath.empty_dir(folder)
 
 
 def _next_prefix() -> str:
@@ -519,7 +519,7 @@ def sweep_next_folders(runs: Path) -> None:
                 continue
             pid = entry.name[len(prefix) :].split("-", 1)[0]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                shutil.rmtree(entry.path, ignore_errors=True)
+                beneath.discard(entry.path)
 
 
 def _bin() -> str:

@@ -14,6 +14,8 @@ import os
 import threading
 from pathlib import Path
 
+from torchyard.storage import beneath
+
 CHUNK = 1 << 16
 
 
@@ -25,8 +27,9 @@ def cut_marker(max_bytes: int) -> bytes:
 
 
 def open_log(path: Path) -> int:
-    """The job log for appending; refuses a link (OSError ELOOP)."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    """The job log for appending: only a regular file of the worker's own with one name
+    (a link, another user's file or a second name of a file: OSError)."""
+    return beneath.open_owned(path.parent, path.name, os.O_WRONLY | os.O_APPEND)
 
 
 class LogPump:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchyard.contracts.eventmodel import CheckpointEvent
-from torchyard.storage import Storage, UnsafePath, job_key
+from torchyard.storage import Storage, UnsafePath, beneath, job_key
 from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.local import LocalStorage, open_regular
 from torchyard.store.paths import rank_log_file
@@ -113,6 +113,9 @@ class CheckpointUploads:
         self.storage, self.job_id = storage, job_id
         self.local = LocalStorage(cache_root)  # this host's copies, read without links
         self._uploads: dict[str, _Upload] = {}
+        # (sha256, bytes) of each stored checkpoint as the upload counted them: recorded
+        # instead of what its event said.
+        self.measured: dict[str, tuple[str, int]] = {}
         self._queue: queue.Queue[tuple[Callable[[], None], Future[None]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="uploads", daemon=True)
         self._thread.start()
@@ -172,8 +175,8 @@ class CheckpointUploads:
             key = self.storage.checkpoint_key(self.job_id, c.path or "", c.sha256)
             src = self.local.open_read(here)
         except (FileNotFoundError, UnsafePath) as e:
-            if self._already_stored(c):
-                return  # an earlier attempt uploaded it, its record did not commit
+            if self._already_stored(c):  # an earlier attempt uploaded it, unrecorded
+                return
             raise CheckpointGone(
                 f"checkpoint {c.path!r}: its file is not on this host ({e}), so it was never stored"
             ) from None
@@ -181,7 +184,8 @@ class CheckpointUploads:
             # The open file itself (no second lookup of a path a trainer could swap).
             proc = Path(f"/proc/self/fd/{src.fileno()}")
             try:
-                self.storage.write_file(key, proc, sha256=c.sha256)
+                info = self.storage.write_file(key, proc, sha256=c.sha256)
+                self.measured[c.path or ""] = (info.sha256 or c.sha256, info.size)
             except ChecksumMismatch as e:
                 raise CheckpointRefused(
                     f"checkpoint {c.path!r}: its file does not match the sha256 its event "
@@ -195,7 +199,10 @@ class CheckpointUploads:
         except (FileNotFoundError, UnsafePath):
             return False
         # Only a checked upload writes a key that names its sha256.
-        return info.sha256 in (None, c.sha256)
+        if info.sha256 not in (None, c.sha256):
+            return False
+        self.measured[c.path or ""] = (c.sha256 or "", info.size)
+        return True
 
     def started(self, path: str) -> bool:
         """Whether an upload of `path` was begun (its object may exist)."""
@@ -213,6 +220,7 @@ class CheckpointUploads:
         """Recorded: their uploads are done with."""
         for p in paths:
             self._uploads.pop(p, None)
+            self.measured.pop(p, None)
 
     def delete_pruned(self, rows: list[tuple[str, str]]) -> None:
         """keep_last pruned these (path, sha256) and their rows say so: remove the stored
@@ -304,10 +312,8 @@ def _open_log(path: Path, size: int) -> int:
     """The local log for this attempt: `size` bytes of holes standing for what the stored
     log already holds (nothing of an earlier attempt's local file is kept or shipped)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_symlink() or not path.is_file():
-            path.unlink()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    beneath.remove(path.parent, path.name)  # nothing of an earlier attempt's, whoever made it
+    fd = beneath.open_owned(path.parent, path.name, os.O_RDWR)
     os.ftruncate(fd, 0)
     os.ftruncate(fd, size)
     return fd
@@ -324,25 +330,16 @@ def align_events(events: Path, attempt: int, recorded: int) -> None:
     previous = _read_marker(marker)
     if previous != attempt - 1:
         events.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            if events.is_symlink():
-                events.unlink()
-        fd = os.open(events, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        beneath.remove(events.parent, events.name)  # the trainer's file: a fresh one of ours
+        fd = beneath.open_owned(events.parent, events.name, os.O_WRONLY)
         try:
             os.ftruncate(fd, recorded)
             if recorded:  # its last line ended: nothing glues onto the recorded bytes
                 os.pwrite(fd, b"\n", recorded - 1)
         finally:
             os.close(fd)
-    tmp = marker.with_name(marker.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps({"attempt": attempt}).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, marker)
+    beneath.replace_file(marker.parent, marker.name, json.dumps({"attempt": attempt}).encode(),
+                         mode=0o600)  # fmt: skip
 
 
 def _read_marker(marker: Path) -> int | None:

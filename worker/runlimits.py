@@ -49,9 +49,14 @@ def dir_bytes(path: Path, stop_above: int | None = None) -> int:
     return total
 
 
-def run_dir_over(path: Path, limit: int) -> str | None:
-    """Why the run directory is over `limit` bytes (None: it is not)."""
-    used = dir_bytes(path, stop_above=limit)
+def run_dir_over(path: Path, limit: int, also: tuple[Path, ...] = ()) -> str | None:
+    """Why the run directory, with the other folders the job may write (`also`: its
+    private `/code`), is over `limit` bytes (None: it is not)."""
+    used = 0
+    for folder in (path, *also):
+        used += dir_bytes(folder, stop_above=limit - used)
+        if used > limit:
+            break
     if used <= limit:
         return None
     return (

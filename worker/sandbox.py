@@ -45,12 +45,17 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from torchyard.storage import beneath
+from torchyard.worker import seccomp
+from torchyard.worker.runfiles import worker_owned
+
 log = logging.getLogger(__name__)
 
 JOB = Path("/job")
 CODE = Path("/code")
 INPUTS = Path("/inputs")
 LEASE = Path("/run/torchyard/lease")
+RUN_DIR_MODE = 0o1770  # a root worker's run dir: the worker's, the sandbox user's group, sticky
 USERNS_UID = 1000  # the trainer's uid inside its own user namespace (non-root workers)
 
 # /etc entries a Python trainer needs (loader, names, TLS roots, time zone); nothing else of
@@ -127,9 +132,13 @@ def support() -> Support:
         return Support(False, "bwrap is not installed (Debian: apt-get install bubblewrap)")
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         return Support(False, "setpriv (util-linux) is missing: cannot drop root")
-    probe = [*_base_args(identity(65534)), *_system_args(), "--", *_drop(identity(65534))]
+    nobody = identity(65534)
     try:
-        r = subprocess.run([*probe, "/bin/true"], capture_output=True, timeout=20)
+        with seccomp.filter_fd() as fd:  # the filter too: one the kernel refuses fails here
+            probe = [*_base_args(nobody), *_seccomp_args(fd), *_system_args()]
+            probe += ["--", *_drop(nobody), "/bin/true"]
+            fds = () if fd is None else (fd,)
+            r = subprocess.run(probe, capture_output=True, timeout=20, pass_fds=fds)
     except (OSError, subprocess.TimeoutExpired) as e:
         return Support(False, f"bwrap could not start ({e})")
     if r.returncode != 0:
@@ -181,10 +190,25 @@ def _base_args(ident: Identity) -> list[str]:
         "--tmpfs",
         "/run",
     ]
+    if _has_mqueue():  # the IPC namespace's POSIX queues, listed: the zygote empties them
+        args += ["--mqueue", "/dev/mqueue"]
     if not ident.drop:
         args += ["--unshare-user", "--uid", str(ident.uid), "--gid", str(ident.gid)]
         args += ["--cap-drop", "ALL"]
     return args
+
+
+@cache
+def _has_mqueue() -> bool:
+    """The kernel has POSIX message queues (without, mq_open fails and none can be left)."""
+    try:
+        return "\tmqueue\n" in Path("/proc/filesystems").read_text()
+    except OSError:
+        return False
+
+
+def _seccomp_args(fd: int | None) -> list[str]:
+    return [] if fd is None else ["--seccomp", str(fd)]
 
 
 def _drop(ident: Identity) -> list[str]:
@@ -286,10 +310,13 @@ def _gpu_args() -> list[str]:
     return args
 
 
-def sandbox_argv(inner: list[str], mounts: Mounts, ident: Identity) -> list[str]:
+def sandbox_argv(inner: list[str], mounts: Mounts, ident: Identity,
+                 seccomp_fd: int | None = None) -> list[str]:  # fmt: skip
     """The whole command: bwrap, its mounts, then `inner` (the trainer's argv, its paths
-    already the sandbox's: `sandbox_path`) as the sandbox's user, in /job."""
-    args = [*_base_args(ident), *_system_args(), *_gpu_args()]
+    already the sandbox's: `sandbox_path`) as the sandbox's user, in /job, under the
+    seccomp filter read from `seccomp_fd` (worker/seccomp.py filter_fd; the caller passes
+    the descriptor on)."""
+    args = [*_base_args(ident), *_seccomp_args(seccomp_fd), *_system_args(), *_gpu_args()]
     args += ["--bind", str(mounts.run_dir), str(JOB)]
     if mounts.code is not None:
         # Its own copy, made for this attempt: writable (a script may write beside itself,
@@ -359,11 +386,24 @@ TRAINER_SETTINGS = frozenset(
 
 def give_to(path: Path, owner: tuple[int, int] | None) -> None:
     """Hand a folder tree the worker prepared to the sandbox's user (root workers), links
-    themselves and never their targets."""
+    themselves and never their targets, walked by descriptor (storage/beneath.py)."""
+    if owner is None:
+        return
+    beneath.chown_tree(path, *owner)
+
+
+def give_run_dir(path: Path, owner: tuple[int, int] | None) -> None:
+    """A run directory for the sandbox's user (root workers): its tree is the user's but
+    for the worker's own files (the log, the spec: `worker_owned`), and the folder itself
+    stays the worker's, writable by the user's group and sticky, so the job creates and
+    replaces its own files there but can neither rename, replace nor remove the worker's."""
     if owner is None:
         return
     uid, gid = owner
-    os.chown(path, uid, gid, follow_symlinks=False)
-    for root, dirs, files in os.walk(path, followlinks=False):
-        for name in dirs + files:
-            os.chown(os.path.join(root, name), uid, gid, follow_symlinks=False)
+    beneath.chown_tree(path, uid, gid, keep=worker_owned)
+    fd = beneath.open_dir(path)
+    try:
+        os.fchown(fd, os.geteuid(), gid)
+        os.fchmod(fd, RUN_DIR_MODE)
+    finally:
+        os.close(fd)

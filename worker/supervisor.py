@@ -40,7 +40,7 @@ from sqlalchemy import exc
 from torchyard.contracts.eventfiles import rank_events_file
 from torchyard.contracts.rungs import PAUSED_AT
 from torchyard.settings import Settings
-from torchyard.storage import Storage, run_dir, storage_for
+from torchyard.storage import Storage, beneath, run_dir, storage_for
 from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.keys import UnsafePath, job_key
 from torchyard.storage.local import LocalStorage
@@ -109,7 +109,7 @@ from torchyard.worker.publish import (
     align_events,
     log_key_for_rank,
 )
-from torchyard.worker.runfiles import append_to_log, file_size, write_spec_file
+from torchyard.worker.runfiles import append_to_log, claim_log, file_size, write_spec_file
 from torchyard.worker.rungs import Rungs, prepare_rungs
 from torchyard.worker.runlimits import free_description, run_dir_over, storage_evidence
 from torchyard.worker.standby import WarmTrainer
@@ -281,6 +281,7 @@ class Supervision:
             c.attempt_number,
             limits=event_limits(ctx.settings),
             uploads=self.uploads,
+            measure=None if self.remote else self._measure_checkpoint,
         )
         self._stopping_at: float | None = None  # when this supervisor saw the worker stop
         self.trainer: TrainerHandle | None = None
@@ -296,6 +297,10 @@ class Supervision:
         self.prune_reason: str | None = None
         self.sampler: SystemSampler | None = None  # the trainer's sys/ series (sysmetrics.py)
         self.sys_refused: set[str] = set()  # sys/ names the job's metric rules refused
+
+    def _measure_checkpoint(self, rel: str) -> tuple[str, int]:
+        """(sha256, bytes) of a checkpoint in the local run dir, read by descriptor."""
+        return beneath.hash_file(self.run_dir, rel)
 
     def _tx(self, fn: Callable[[Any], T]) -> T:
         with session_scope(self.db) as s:
@@ -323,7 +328,7 @@ class Supervision:
         rec.names.update(self._tx(lambda s: metric_names(s, self.c.job_id, limit=top)))
         backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None, limits=rec.limits,
                                 names=rec.names, set_aside=rec.set_aside,
-                                uploads=self.uploads)  # fmt: skip
+                                uploads=self.uploads, measure=rec.measure)  # fmt: skip
         tail = EventTail.open(self.events_store, events, start, rec.limits.line_bytes)
         n = 0
         try:
@@ -430,6 +435,10 @@ class Supervision:
         if self.remote:  # before the first line of this attempt's log
             key = log_key_for_rank(self.c.job_id, self.c.rank)
             self.shipper = LogShipper(self.storage, self.log_path, key)
+        try:  # an older release gave the log to the sandbox's user: the worker's own again
+            claim_log(self.log_path)
+        except OSError as e:
+            log.warning("job %s: could not claim the job log (%s)", self.c.job_id, e)
         now = datetime.now(UTC).isoformat(timespec="seconds")
         how = f"resuming from {self.resume_rel}" if self.resume_rel else "fresh start"
         self._log_line(

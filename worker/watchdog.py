@@ -110,7 +110,9 @@ class Watchdog:
             return 0.0
         if low_space(run_dir) is not None:
             self.ctx.low_space_at = time.monotonic()
-        over = run_dir_over(run_dir, self.ctx.settings.max_run_dir_bytes)
+        # A sandboxed trainer writes its private `/code` too: it counts (TrainerHandle.writable).
+        also = tuple(getattr(trainer, "writable", ()))
+        over = run_dir_over(run_dir, self.ctx.settings.max_run_dir_bytes, also)
         if over is not None and self.ctx.run_dir_full is None:
             log.warning("diskwatch: %s; SIGKILL trainer", over)
             self.ctx.run_dir_full = over

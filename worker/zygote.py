@@ -205,6 +205,7 @@ class ZygoteTrainer:
         self._oom_count = oom_count
         self._pump: LogPump | None = pump
         self._pidfd: int | None = None
+        self.writable: tuple[Path, ...] = ()  # folders besides the run dir it may write
         if child != zygote.zygote_pid:
             with contextlib.suppress(OSError):
                 self._pidfd = os.pidfd_open(child)
