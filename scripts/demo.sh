@@ -34,11 +34,16 @@ else
   echo "==> no npm: the dashboard is not built (the API answers / with how to build it)"
 fi
 
+# From here on every file and folder is this user's alone (umask 077): the home holds the
+# admin token, and up.log shows it. `up` makes a home others can read (an older run's)
+# private too; an older up.log is replaced, never reused with its mode.
+umask 077
 mkdir -p "$TORCHYARD_HOME"
 LOG="$TORCHYARD_HOME/up.log"
 echo "==> starting torchyard up on port $PORT (output in $LOG)"
 SECONDS=0  # the times below leave the install and the dashboard build out
-: >"$LOG"  # before the start, so the wait below never reads a previous run's log
+rm -f "$LOG"  # before the start, so the wait below never reads a previous run's log
+: >"$LOG"
 "$TY" up --port "$PORT" >"$LOG" 2>&1 &
 UP=$!
 stop_up() {

@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -168,6 +169,7 @@ class Up:
             raise UpError(f"invalid settings: {e}") from None
         home = settings.home.resolve()
         home.mkdir(parents=True, exist_ok=True)
+        make_private(home)
         lock = self._lock(home)
         try:
             return self._serve(settings, home)
@@ -422,6 +424,7 @@ def ensure_admin_token(settings: Any, home: Path) -> str:
 
     path = home / "admin-token"
     if path.exists():
+        _tighten(path, 0o600)
         token = path.read_text().strip()
         with session_scope(settings.db_url) as s:
             if token and user_for_token(s, token) is not None:
@@ -435,6 +438,30 @@ def ensure_admin_token(settings: Any, home: Path) -> str:
         f.write(token + "\n")
     say(f"created an admin token in {path}")
     return token
+
+
+def make_private(home: Path) -> None:
+    """The home holds the admin token, the database and the logs (and `scripts/demo.sh`'s
+    up.log, which shows the token): this user's alone. One that others may read (made by an
+    older `up` or `demo.sh`, or by hand) is made 0700, and said; a folder that is not this
+    user's own, or is shared (sticky, like /tmp), is left as it is, with a warning."""
+    st = home.stat()
+    if not st.st_mode & 0o077:
+        return
+    if st.st_uid != os.geteuid() or st.st_mode & stat.S_ISVTX:
+        say(f"warning: {home} is open to others ({oct(st.st_mode & 0o777)}) and not yours")
+        say("alone to close: set TORCHYARD_HOME to a folder of your own")
+        return
+    _tighten(home, 0o700)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """`path` given `mode` when others could read it (a symlink is left alone)."""
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+        return
+    os.chmod(path, mode)
+    say(f"made {path} yours alone ({oct(mode)}; it was {oct(st.st_mode & 0o777)})")
 
 
 def save_login(url: str, token: str, env: dict[str, str] | None = None) -> None:

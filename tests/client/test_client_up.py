@@ -68,3 +68,19 @@ def test_one_up_per_home_and_a_busy_port_is_refused(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         assert not _port_free("127.0.0.1", s.getsockname()[1])
+
+
+def test_a_home_open_to_others_is_made_private_but_a_shared_folder_is_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchyard.up import make_private
+
+    home, shared = tmp_path / "home", tmp_path / "shared"
+    home.mkdir()
+    home.chmod(0o755)
+    make_private(home)
+    assert home.stat().st_mode & 0o777 == 0o700 and "yours alone" in capsys.readouterr().out
+    shared.mkdir()
+    shared.chmod(0o1777)  # sticky, as /tmp: others' files live there too
+    make_private(shared)
+    assert shared.stat().st_mode & 0o7777 == 0o1777 and "warning" in capsys.readouterr().out
