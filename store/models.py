@@ -654,3 +654,14 @@ class WebhookAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (Index("ix_webhook_attempts_delivery", "delivery_id", "id"),)
+
+
+class SandboxUid(Base):
+    """Each user's host uid in the sandbox of a root worker (store/sandboxuids.py): given
+    once, from TORCHYARD_SANDBOX_UID + 1 upward, and never given to another user (a row is
+    never removed; users are never deleted)."""
+
+    __tablename__ = "sandbox_uids"
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"), primary_key=True)
+    uid: Mapped[int] = mapped_column(Integer, unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -169,9 +169,16 @@ class Settings(BaseSettings):
     choice) runs trainers with the worker's rights. Where a host cannot sandbox, its workers
     say so at start and refuse jobs that run user code unless this is `off`."""
     sandbox_uid: int = Field(default=64000, ge=1, le=2**31 - 2)
-    """TORCHYARD_SANDBOX_UID: the unprivileged host uid (and gid) a root worker's trainers
-    run as; never 0, and no account is needed. A worker that is not root runs them as
-    uid 1000 of a user namespace instead."""
+    """TORCHYARD_SANDBOX_UID: where the unprivileged host uids (and gids) a root worker's
+    trainers run as begin: this one is no user's (a slot's first warm trainer, jobs with no
+    owner), each user gets one of the TORCHYARD_SANDBOX_UID_COUNT after it. Never 0, and no
+    account is needed. A worker that is not root runs them as uid 1000 of a user namespace
+    instead."""
+    sandbox_uid_count: int = Field(default=1000, ge=1, le=2**30)
+    """TORCHYARD_SANDBOX_UID_COUNT: how many users may have a sandbox uid of their own: a
+    root worker runs each user's trainers as a host uid given to that user alone
+    (store/sandboxuids.py), TORCHYARD_SANDBOX_UID + 1 up to TORCHYARD_SANDBOX_UID + this
+    count; keep the range clear of the host's own users."""
     max_log_bytes: int = Field(default=256 * 1024**2, ge=4096)
     """TORCHYARD_MAX_LOG_BYTES: most bytes a job's log keeps; past it the log is cut with a
     marker line and further output is dropped while the job goes on."""

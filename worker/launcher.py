@@ -53,6 +53,9 @@ class LaunchRequest:
     # Whose job (a user's id; None: unknown): a warm trainer that served one user's job
     # never serves another's (worker/zygote.py).
     tenant: int | None = None
+    # The host uid the tenant's trainers run as under a root worker's sandbox
+    # (store/sandboxuids.py); None: TORCHYARD_SANDBOX_UID, no user's.
+    sandbox_uid: int | None = None
 
 
 class SandboxRefused(Exception):

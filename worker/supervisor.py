@@ -70,6 +70,7 @@ from torchyard.store.lifecycle import Fenced
 from torchyard.store.metrics import metric_names
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, rank_log_file
 from torchyard.store.pruning import Pruning
+from torchyard.store.sandboxuids import sandbox_uid
 from torchyard.store.states import CANCELLING
 from torchyard.worker.events import (
     TAIL_BATCH,
@@ -503,6 +504,7 @@ class Supervision:
             max_log_bytes=self.ctx.settings.max_log_bytes,
             runs_code=runs_code(self.c.spec),
             tenant=self.c.owner_id,
+            sandbox_uid=sandbox_uid(self.ctx.settings, self.c.owner_id),
         )
 
     # ---- supervision --------------------------------------------------------------------

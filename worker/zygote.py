@@ -77,6 +77,7 @@ class Zygote:
         self.folder_id = folder_identity(folder)  # what /job binds, whatever its name
         self.owns_folder = True  # False while a run directory's name holds it
         self.tenant: int | None = None  # the user whose jobs it has served
+        self.uid: int | None = None  # the host uid it runs as (its user's, or no user's)
         self.pump: ReadyPump | None = None  # its own output (the worker's stderr)
         self.rc: int | None = None  # the current job's return code, once reported
         self.busy = False

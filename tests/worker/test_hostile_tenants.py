@@ -8,10 +8,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,14 @@ import pytest
 from test_zygote import _bundle, _request, _script, slot  # noqa: F401 (slot: its fixture)
 
 from torchyard.settings import Settings
+from torchyard.store.db import session_scope
+from torchyard.store.models import User
+from torchyard.store.sandboxuids import sandbox_uid
 from torchyard.worker import seccomp
 from torchyard.worker.cgroups import TrainerCgroup
 from torchyard.worker.launch_local import trainer_cgroup
 from torchyard.worker.sandbox import Mounts, identity, sandbox_argv, sandbox_env, support
-from torchyard.worker.zygote import ZygoteTrainer
+from torchyard.worker.zygote import ZygoteTrainer, children
 
 needs_bwrap = pytest.mark.skipif(
     not support().ok and os.environ.get("CI") != "true", reason=f"no sandbox: {support().why}"
@@ -226,3 +231,90 @@ def test_a_job_that_stops_its_zygote_ends_and_the_slot_gets_a_new_one(
     assert trainer.zygote.proc.poll() is not None  # the sandbox is gone
     warm.refill()
     assert warm.proc is not None and warm.proc is not trainer.zygote.proc
+
+
+HOLD_A_SECRET = r"""
+import os, sys, time
+fd = os.open("/job/secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+os.write(fd, b"user A's")
+os.close(fd)
+print("READY", flush=True)
+time.sleep(60)
+"""
+
+AS_USER_B = r"""
+import json, os, sys
+pid, secret = int(sys.argv[1]), sys.argv[2]
+out = {}
+try:
+    os.kill(pid, 0)
+    out["signal"] = "sent"
+except OSError as e:
+    out["signal"] = type(e).__name__
+for name, path in (("secret", secret), ("environ", f"/proc/{pid}/environ")):
+    try:
+        open(path, "rb").read(1)
+        out[name] = "read"
+    except OSError as e:
+        out[name] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def _uid_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise LookupError(pid)
+
+
+def _descendant_as(pid: int, uid: int) -> int:
+    """The process under `pid` (bwrap) that runs as `uid`: the sandbox's trainer."""
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        if p != pid and _uid_of(p) == uid:
+            return p
+        todo += children(p)
+    raise LookupError(f"no process of uid {uid} under {pid}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-user uids are a root worker's")
+@needs_bwrap
+@pytest.mark.hostile
+def test_user_bs_uid_cannot_signal_or_read_user_as_trainer(
+    pg_fresh_url: str, tmp_path: Path
+) -> None:
+    """Two users' jobs at once on one host: each runs as its user's own uid (given by the
+    store), so what B's code could reach outside its namespaces as its uid (a signal to A's
+    trainer, A's private file, A's /proc) is refused by the kernel. Every trainer shared
+    uid 64000 before, and all three worked."""
+    settings = Settings(home=tmp_path / "home", database_url=pg_fresh_url)
+    with session_scope(pg_fresh_url) as s:
+        users = [User(name="a"), User(name="b")]
+        s.add_all(users)
+        s.flush()
+        ids = [u.id for u in users]
+    uid_a, uid_b = (sandbox_uid(settings, i) for i in ids)
+    assert uid_a is not None and uid_b is not None and uid_a != uid_b
+    assert settings.sandbox_uid not in (uid_a, uid_b)
+    run = Path(tempfile.mkdtemp(prefix="ty-tenant-a-"))  # B could reach it but for its owner
+    os.chmod(run, 0o755)
+    os.chown(run, uid_a, uid_a)
+    argv = sandbox_argv([sys.executable, "-c", HOLD_A_SECRET], Mounts(run), identity(uid_a))
+    env = sandbox_env(dict(os.environ), os.path.dirname(sys.executable))
+    a = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert a.stdout is not None and a.stdout.readline().strip() == "READY"
+        trainer = _descendant_as(a.pid, uid_a)
+        b = ["setpriv", f"--reuid={uid_b}", f"--regid={uid_b}", "--clear-groups", "--"]
+        probe = [*b, sys.executable, "-c", AS_USER_B, str(trainer), str(run / "secret")]
+        r = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out == {"signal": "PermissionError", "secret": "PermissionError",
+                       "environ": "PermissionError"}, out  # fmt: skip
+    finally:
+        a.kill()
+        a.wait()
+        shutil.rmtree(run, ignore_errors=True)

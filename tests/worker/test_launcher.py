@@ -134,6 +134,7 @@ def test_a_fake_launcher_runs_an_assignment_to_success(sqlite_url: str, tmp_path
     assert req.argv[1:3] == ["-m", "torchyard.trainer"] and req.cwd == run_dir
     assert req.log_path == run_dir / LOG_FILE and req.warm_ok  # one rank: a standby may take it
     assert req.env["TORCHYARD_ATTEMPT"] == "1"  # the slot's environment (worker/proc.py)
+    assert req.sandbox_uid == settings.sandbox_uid + 1  # its owner's own (store/sandboxuids.py)
     assert json.loads(req.launch.spec_path.read_text())["batch_size"] == 64
     assert t.calls == ["kill"]  # whatever the trainer left in its group goes at the end
     assert pids == [4242] and ctx.trainer is None

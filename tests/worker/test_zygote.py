@@ -82,7 +82,7 @@ print("PROBE " + json.dumps(out), flush=True)
 
 
 def _request(settings: Settings, run: Path, spec: dict[str, Any], code: Path | None = None,
-             tenant: int | None = 1) -> LaunchRequest:  # fmt: skip
+             tenant: int | None = 1, uid: int | None = None) -> LaunchRequest:  # fmt: skip
     run.mkdir(parents=True, exist_ok=True)
     (run / "spec.json").write_text(json.dumps(spec))
     launch = Launch(spec_path=run / "spec.json", run_dir=run, code_dir=code)
@@ -95,6 +95,7 @@ def _request(settings: Settings, run: Path, spec: dict[str, Any], code: Path | N
         warm_ok=True,
         runs_code=code is not None,
         tenant=tenant,
+        sandbox_uid=uid,
     )
 
 
@@ -174,19 +175,26 @@ def test_what_a_job_leaves_is_gone_before_the_next_one(slot: Any, tmp_path: Path
 
 
 def test_another_users_job_never_gets_the_zygote(slot: Any) -> None:
+    """A zygote runs as one host uid: the slot's first as no user's (TORCHYARD_SANDBOX_UID),
+    each later one as the uid of the user the slot last served; another user's job starts
+    cold, as its own uid, and the next zygote is that user's."""
     settings, warm, launcher = slot
     runs = settings.storage / "jobs"
-    first, rc = _run(warm, launcher, _request(settings, runs / "1", synthetic_spec(), tenant=1))
+    base, user2 = settings.sandbox_uid, settings.sandbox_uid + 2
+    first, rc = _run(warm, launcher, _request(settings, runs / "1", synthetic_spec(), None))
     assert isinstance(first, ZygoteTrainer) and rc == 0
     served = first.zygote
-    other = launcher.start(_request(settings, runs / "2", synthetic_spec(), tenant=2))
+    other = launcher.start(_request(settings, runs / "2", synthetic_spec(), tenant=2, uid=user2))
     assert isinstance(other, SandboxTrainer)  # cold, in a sandbox of its own
-    assert served.proc.poll() is not None  # the zygote that served user 1 is gone
+    assert served.proc.poll() is not None  # the zygote of no user is gone
     assert other.wait(120) == 0, (runs / "2" / "output.log").read_text()
-    warm.refill()  # a fresh zygote, which user 2's next job may have
-    third = launcher.start(_request(settings, runs / "3", synthetic_spec(), tenant=2))
+    warm.refill()  # a fresh zygote, user 2's
+    third = launcher.start(_request(settings, runs / "3", synthetic_spec(), tenant=2, uid=user2))
     assert isinstance(third, ZygoteTrainer) and third.zygote is not served
     assert third.wait(120) == 0
+    if os.geteuid() == 0:  # a root worker: each job's files are its user's uid's
+        owners = [(runs / n / "model.safetensors").stat().st_uid for n in "123"]
+        assert owners == [base, user2, user2] and third.zygote.uid == user2
 
 
 def test_sigterm_reaches_the_forked_trainer_and_kill_ends_the_sandbox(slot: Any) -> None:
