@@ -179,6 +179,12 @@ class Settings(BaseSettings):
     root worker runs each user's trainers as a host uid given to that user alone
     (store/sandboxuids.py), TORCHYARD_SANDBOX_UID + 1 up to TORCHYARD_SANDBOX_UID + this
     count; keep the range clear of the host's own users."""
+    sandbox_network: Literal["host", "none"] = "host"
+    """TORCHYARD_SANDBOX_NETWORK: `host` (default) lets sandboxed trainers use the host's
+    network; `none` gives each one-rank trainer (and the slot's zygote) a network namespace
+    of its own with loopback only: no broker, database, object store, other job's socket or
+    the internet (a job that downloads weights fails). DDP ranks (world size > 1) always
+    have the host's network: they rendezvous over it."""
     max_log_bytes: int = Field(default=256 * 1024**2, ge=4096)
     """TORCHYARD_MAX_LOG_BYTES: most bytes a job's log keeps; past it the log is cut with a
     marker line and further output is dropped while the job goes on."""

@@ -28,6 +28,7 @@ from torchyard.store.sandboxuids import sandbox_uid
 from torchyard.worker import seccomp
 from torchyard.worker.cgroups import TrainerCgroup
 from torchyard.worker.launch_local import trainer_cgroup
+from torchyard.worker.launch_sandbox import SandboxLauncher
 from torchyard.worker.sandbox import Mounts, identity, sandbox_argv, sandbox_env, support
 from torchyard.worker.zygote import ZygoteTrainer, children
 
@@ -318,3 +319,54 @@ def test_user_bs_uid_cannot_signal_or_read_user_as_trainer(
         a.kill()
         a.wait()
         shutil.rmtree(run, ignore_errors=True)
+
+
+LISTEN = r"""
+import socket, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind("\0torchyard-tenant-a")  # an abstract name: no file, no permission check
+s.listen(1)
+print("READY", flush=True)
+time.sleep(60)
+"""
+
+CONNECT = r"""
+import json, socket
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    c.connect("\0torchyard-tenant-a")
+    print(json.dumps("connected"))
+except OSError as e:
+    print(json.dumps(type(e).__name__))
+"""
+
+
+@needs_bwrap
+@pytest.mark.hostile
+def test_with_sandbox_network_none_abstract_sockets_do_not_join_two_jobs(
+    tmp_path: Path,
+) -> None:
+    """Abstract Unix sockets belong to a network namespace: on the host's, one user's job
+    connected to another's. TORCHYARD_SANDBOX_NETWORK=none gives each one-rank trainer a
+    namespace of its own (DDP ranks keep the host's: they rendezvous over it)."""
+    launcher = SandboxLauncher(Settings(home=tmp_path / "home", sandbox_network="none"), None)
+    own = launcher._host_network(1)
+    assert own is False and launcher._host_network(2) is True
+    env = sandbox_env(dict(os.environ), os.path.dirname(sys.executable))
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run.mkdir()
+    ident = identity(64000)
+    argv = sandbox_argv([sys.executable, "-c", LISTEN], Mounts(runs[0], host_network=own), ident)
+    a = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert a.stdout is not None and a.stdout.readline().strip() == "READY"
+        argv = sandbox_argv(
+            [sys.executable, "-c", CONNECT], Mounts(runs[1], host_network=own), ident
+        )
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == "ConnectionRefusedError"
+    finally:
+        a.kill()
+        a.wait()
