@@ -132,8 +132,15 @@ class MetricsOut(BaseModel):
     next_after_step: int | None = Field(
         default=None,
         description="without max_points only: the curves were cut at this step (at most "
-        "TORCHYARD_METRICS_PAGE_POINTS points each); ask again with after_step set to it. "
-        "Absent when they are complete.",
+        "TORCHYARD_METRICS_PAGE_POINTS points each, TORCHYARD_METRICS_PAGE_TOTAL_POINTS in "
+        "all); ask again with after_step set to it. Absent when they are complete.",
+    )
+    capped: bool | None = Field(
+        default=None,
+        description="true when the bound on all curves together "
+        "(TORCHYARD_METRICS_PAGE_TOTAL_POINTS) made this page shorter than "
+        "TORCHYARD_METRICS_PAGE_POINTS a curve (follow next_after_step), or, with max_points, "
+        "its buckets wider than asked; absent otherwise.",
     )
 
 
@@ -167,6 +174,11 @@ class LogMatches(BaseModel):
     size: int = Field(description="size of the whole log in bytes when the scan began")
     scanned: int = Field(description="bytes searched by this request")
     complete: bool = Field(description="the scan reached the end of the log (as it was)")
+    stopped_early: bool = Field(
+        default=False,
+        description="the scan stopped at its time bound (TORCHYARD_LOG_GREP_MAX_S) before "
+        "its byte budget: what it found is here; go on from next_offset",
+    )
 
 
 class CheckpointOut(_Out):

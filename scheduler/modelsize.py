@@ -9,7 +9,10 @@ torch and torchvision are imported on the first such spec only (the API and the
 scheduler start without them), in the request's thread. The build is bounded: at most
 `MAX_MODULES` modules and `BUILD_S` seconds (checked by torch's global registration hooks,
 active only in the thread counting), at most `MAX_BUILDS` at once in a process, and its
-outcome is cached per (name, args, classes).
+outcome is cached (an LRU of `CACHE_SIZE`, keyed by the digest of the model section's
+canonical JSON with the class count). A caller may bound the builds one request makes
+(`bounded`, a `Budget`: the API's, api/admission.py); a cached count costs nothing and is
+never charged.
 
 RegNets compute their stage widths from small tensors in their constructor (`.tolist()`),
 which the meta device cannot give; a build that fails so is retried with tensors of at
@@ -18,13 +21,17 @@ most `SMALL` elements made on the CPU (their size is fixed by the model, not by 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-import functools
 import gc
+import hashlib
 import json
 import re
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from torchyard.contracts import datasets
@@ -35,22 +42,106 @@ MAX_MODULES = 10_000  # torchvision's largest classification model has ~1,400
 BUILD_S = 5.0
 MAX_BUILDS = 2
 SMALL = 64  # elements: the largest tensor the RegNet retry makes on the CPU
+CACHE_SIZE = 1024  # counted models kept (a digest and a count or a message each)
 _UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
 _DUPLICATE = re.compile(r"multiple values for (?:keyword )?argument '(\w+)'")
 _META_DATA = "meta tensor"  # in torch's "Cannot copy out of meta tensor; no data!"
 
 
 class BuildRefused(Exception):
-    """The build went past MAX_MODULES modules or BUILD_S seconds."""
+    """The build went past MAX_MODULES modules or BUILD_S seconds (`cacheable`: the
+    module bound, which the same args always pass)."""
+
+    def __init__(self, message: str, *, cacheable: bool = False):
+        self.cacheable = cacheable
+        super().__init__(message)
 
 
-class _Budget(threading.local):
+class TooManyBuilds(Exception):
+    """One request needs more distinct models built than its Budget allows."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        super().__init__(f"more than {bound} different torchvision models to build")
+
+
+class Budget:
+    """The builds one request may make: at most `max_builds` distinct models not in the
+    cache. `claim` is called before the first one (it raises to refuse: the API's
+    per-user slot), so a request whose models are all cached never claims."""
+
+    def __init__(self, max_builds: int, claim: Callable[[], None] | None = None):
+        self.max_builds, self.claim = max_builds, claim
+        self.charged: set[str] = set()
+
+    def charge(self, key: str) -> None:
+        if key in self.charged:  # a refused build, asked again in the same request
+            return
+        if len(self.charged) >= self.max_builds:
+            raise TooManyBuilds(self.max_builds)
+        if not self.charged and self.claim is not None:
+            self.claim()
+        self.charged.add(key)
+
+
+class _Current(threading.local):
+    budget: Budget | None = None
+
+
+_current = _Current()
+
+
+@contextlib.contextmanager
+def bounded(budget: Budget) -> Iterator[Budget]:
+    """Charge this thread's builds to `budget` until the block ends."""
+    before, _current.budget = _current.budget, budget
+    try:
+        yield budget
+    finally:
+        _current.budget = before
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    message: str  # a cached BuildRefused's
+
+
+class _Lru:
+    """Counts by key, the least recently used dropped past `size` (thread-safe)."""
+
+    def __init__(self, size: int):
+        self.size, self._items = size, OrderedDict[str, Any]()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            if key not in self._items:
+                return None
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+_counted = _Lru(CACHE_SIZE)
+
+
+class _InBuild(threading.local):
     active = False
     modules = 0
     deadline = 0.0
 
 
-_budget = _Budget()
+_in_build = _InBuild()
 _builds = threading.BoundedSemaphore(MAX_BUILDS)
 _setup = threading.Lock()
 _hooks_installed = False
@@ -68,8 +159,8 @@ def torchvision_problems(spec: JobSpec, max_params: int) -> Problems:
     classes = datasets.data_classes(spec.data) if spec.data is not None else None
     args = json.dumps(model.args or {}, sort_keys=True)
     try:
-        counted = _count(name, args, classes or 1)
-    except BuildRefused as e:  # not cached: a build slowed by load may pass next time
+        counted = count(name, args, classes or 1)
+    except BuildRefused as e:
         return [("model.args", f"torchvision/{name}: {e}")]
     if isinstance(counted, tuple):
         return [counted]
@@ -82,16 +173,35 @@ def torchvision_problems(spec: JobSpec, max_params: int) -> Problems:
     ]
 
 
-@functools.lru_cache(maxsize=256)
-def _count(name: str, args_json: str, classes: int) -> int | tuple[str, str]:
-    """The model's parameter count, or the (field, message) of why it cannot be built."""
+def count(name: str, args_json: str, classes: int) -> int | tuple[str, str]:
+    """The model's parameter count, or the (field, message) of why it cannot be built;
+    from the cache, else built (charged to this thread's Budget, if any). A refusal for
+    the module bound is cached; one for time is not (a build slowed by load may pass)."""
     tvm = _torchvision()
     known = tvm.list_models(module=tvm)
     if name not in known:
         close = difflib.get_close_matches(name, known, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         return "model.name", f"torchvision has no classification model {name!r}{hint}"
-    args: dict[str, Any] = json.loads(args_json)
+    key = hashlib.sha256(json.dumps([name, classes, args_json]).encode()).hexdigest()
+    found = _counted.get(key)
+    if isinstance(found, _Refusal):
+        raise BuildRefused(found.message, cacheable=True)  # a fresh one: no traceback kept
+    if found is not None:
+        return found
+    if _current.budget is not None:
+        _current.budget.charge(key)
+    try:
+        counted = _build_count(tvm, name, classes, json.loads(args_json))
+    except BuildRefused as e:
+        if e.cacheable:
+            _counted.put(key, _Refusal(str(e)))
+        raise
+    _counted.put(key, counted)
+    return counted
+
+
+def _build_count(tvm: Any, name: str, classes: int, args: dict[str, Any]) -> int | tuple[str, str]:
     with _builds:
         try:
             net = _bounded_build(tvm, name, classes, args)
@@ -106,8 +216,8 @@ def _bounded_build(tvm: Any, name: str, classes: int, args: dict[str, Any]) -> A
     """Build on the meta device within the module and time bounds (the RegNet retry too)."""
     import torch
 
-    _budget.active, _budget.modules = True, 0
-    _budget.deadline = time.monotonic() + BUILD_S
+    _in_build.active, _in_build.modules = True, 0
+    _in_build.deadline = time.monotonic() + BUILD_S
     try:
         try:
             with torch.device("meta"):
@@ -115,11 +225,11 @@ def _bounded_build(tvm: Any, name: str, classes: int, args: dict[str, Any]) -> A
         except NotImplementedError as e:
             if _META_DATA not in str(e):
                 raise
-        _budget.modules = 0
+        _in_build.modules = 0
         with _small_on_cpu():
             return tvm.get_model(name, weights=None, num_classes=classes, **args)
     finally:
-        _budget.active = False
+        _in_build.active = False
 
 
 def _build_problem(name: str, e: Exception) -> tuple[str, str]:
@@ -137,12 +247,14 @@ def _build_problem(name: str, e: Exception) -> tuple[str, str]:
 def _on_registration(*_: Any) -> None:
     """torch's global module and parameter registration hook: the bounds of a build in
     this thread (no-op in any other)."""
-    b = _budget
+    b = _in_build
     if not b.active:
         return
     b.modules += 1
     if b.modules > MAX_MODULES:
-        raise BuildRefused(f"building it with these args makes more than {MAX_MODULES} modules")
+        raise BuildRefused(
+            f"building it with these args makes more than {MAX_MODULES} modules", cacheable=True
+        )
     if time.monotonic() > b.deadline:
         raise BuildRefused(f"building it with these args takes more than {BUILD_S:g} s")
 

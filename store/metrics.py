@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
@@ -340,6 +340,12 @@ def query_series(
     return out
 
 
+class Page(NamedTuple):
+    series: dict[str, dict[str, list[Any]]]
+    next_after_step: int | None  # None: every curve is complete
+    capped: bool  # the total bound, not `limit`, set where the curves were cut
+
+
 def query_page(
     session: Session,
     job_id: str,
@@ -347,27 +353,44 @@ def query_page(
     names: list[str] | None = None,
     after_step: int | None = None,
     limit: int,
+    total: int | None = None,
     min_step: int | None = None,
     max_step: int | None = None,
     with_time: bool = False,
-) -> tuple[dict[str, dict[str, list[Any]]], int | None]:
-    """Raw curves within [min_step, max_step], at most `limit` points per curve, and the
-    step to page on from (pass it back as `after_step`), None when every curve is complete.
-    All curves are cut at the same step, so paging returns each point exactly once.
-    `with_time`: each curve's `times` too (Unix seconds of each point)."""
+) -> Page:
+    """Raw curves within [min_step, max_step], at most `limit` points per curve and `total`
+    points in all, and the step to page on from (pass it back as `after_step`). All curves
+    are cut at the same step, so paging returns each point exactly once.
+    `with_time`: each curve's `times` too (Unix seconds of each point).
+
+    The total is shared in two rounds: each curve first reads its even share; what the
+    curves that ended within it left over is then shared by the others (one long curve
+    among 999 short ones still gets most of a page)."""
     wanted = names if names else metric_names(session, job_id)
     after, until = _range(after_step, min_step, max_step)
-    out = {n: _raw_series(session, job_id, n, after, limit + 1, until, with_time) for n in wanted}
-    cut = min(
-        (c["steps"][limit - 1] for c in out.values() if len(c["steps"]) > limit), default=None
-    )
-    if cut is None:
-        return out, None
+    total = limit * len(wanted) if total is None else total
+    per = min(limit, max(1, total // max(1, len(wanted))))
+
+    def read(name: str, n: int) -> dict[str, list[Any]]:
+        return _raw_series(session, job_id, name, after, n + 1, until, with_time)
+
+    out = {n: read(n, per) for n in wanted}
+    long = [n for n, c in out.items() if len(c["steps"]) > per]
+    if long and per < limit:
+        ended = sum(len(c["steps"]) for n, c in out.items() if len(c["steps"]) <= per)
+        more = min(limit, (total - ended) // len(long))
+        if more > per:
+            out.update({n: read(n, more) for n in long})
+            per = more
+            long = [n for n in long if len(out[n]["steps"]) > per]
+    if not long:
+        return Page(out, None, False)
+    cut = min(out[n]["steps"][per - 1] for n in long)
     for c in out.values():
         keep = bisect.bisect_right(c["steps"], cut)
         for k in c:
             c[k] = c[k][:keep]
-    return out, cut
+    return Page(out, cut, per < limit)
 
 
 def rebuild_blocks(session: Session, job_id: str) -> None:

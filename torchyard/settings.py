@@ -276,6 +276,26 @@ class Settings(BaseSettings):
     `ml-team=lab:member,ml-leads=lab:owner`): at each SSO login a member of the group gets at
     least that role in that existing project; a role that came from a group the user has
     left is taken away."""
+    api_check_threads: int = Field(default=2, ge=1)
+    """TORCHYARD_API_CHECK_THREADS: threads the API checks job and sweep submits on (a
+    `torchvision/<name>` model is built to be counted), apart from the threads that serve
+    reads, so that slow checks never hold a read up."""
+    max_model_checks_per_request: int = Field(default=8, ge=1)
+    """TORCHYARD_MAX_MODEL_CHECKS_PER_REQUEST: distinct `torchvision/<name>` models not yet
+    counted that one submit may need built (a sweep's choices each make one); past it 422."""
+    max_model_checks_per_user: int = Field(default=1, ge=1)
+    """TORCHYARD_MAX_MODEL_CHECKS_PER_USER: a user's submits building models at once, per
+    API process; the next one that needs a build gets 429."""
+    api_costly_read_threads: int = Field(default=2, ge=1)
+    """TORCHYARD_API_COSTLY_READ_THREADS: threads the API runs log searches and metrics
+    pages on, apart from the threads that serve other reads."""
+    metrics_page_total_points: int = Field(default=100_000, ge=1000)
+    """TORCHYARD_METRICS_PAGE_TOTAL_POINTS: most points (raw, or buckets with `max_points`)
+    one metrics response holds across all its series; a point is at most ~70 bytes of JSON,
+    so a page is at most ~7 MB at the default."""
+    log_grep_max_s: float = Field(default=1.0, gt=0)
+    """TORCHYARD_LOG_GREP_MAX_S: the time one log search request may take; past it the
+    search stops between chunks and answers what it found (`stopped_early`, `next_offset`)."""
 
     @field_validator("database_url")
     @classmethod

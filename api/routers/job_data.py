@@ -5,23 +5,28 @@ api/loggrep.py; live events: job_events)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
-from torchyard.api.deps import CurrentUser, ReadSessionDep, SettingsDep
+from torchyard.api.deps import CurrentUser, Principal
 from torchyard.api.errors import ApiError, not_found, responses, validation_error
+from torchyard.api.lanes import lane
 from torchyard.api.loggrep import Line, grep_log, text
 from torchyard.api.metricscsv import Selection, csv_lines
 from torchyard.api.schemas import LogChunk, LogLine, LogMatch, LogMatches, MetricsOut, Series
 from torchyard.api.views import etag, etag_matches
-from torchyard.storage import UnsafePath, job_key, storage_for
+from torchyard.settings import Settings
+from torchyard.storage import Storage, UnsafePath, job_key, storage_for
 from torchyard.store.jobs import get_job, job_version
-from torchyard.store.metrics import query_page, query_series
+from torchyard.store.metrics import metric_names, query_page, query_series
+from torchyard.store.models import Job
 from torchyard.store.paths import LOG_FILE, rank_log_file
 from torchyard.store.states import TERMINAL
 
@@ -48,7 +53,9 @@ Reader = Callable[[str, int, int], tuple[bytes, int]]
         "steps (of that range), each giving its last point plus the bucket's `min` and `max`, so spikes show. "
         "Without `max_points` the raw points come in pages of at most "
         "TORCHYARD_METRICS_PAGE_POINTS per curve: follow `next_after_step` as `after_step` "
-        "(`times=true`: each curve's `times`, Unix seconds, too). `format=csv`: every point "
+        "(all curves together hold at most TORCHYARD_METRICS_PAGE_TOTAL_POINTS points, or "
+        "buckets: past it pages are shorter, or buckets wider, and `capped` is true; "
+        "`times=true`: each curve's `times`, Unix seconds, too). `format=csv`: every point "
         "of the selection (no `max_points`) as `text/csv`, one row each (name, step, epoch, "
         "value, time; series by name, then step), streamed, as an attachment named "
         "`<job id>-metrics.csv`. Answers with an `ETag` (for these parameters); with `If-None-Match` naming it, "
@@ -67,13 +74,10 @@ Reader = Callable[[str, int, int], tuple[bytes, int]]
         **responses(401, 404, 422, 503),
     },
 )
-def get_metrics(
+async def get_metrics(
     job_id: str,
     request: Request,
     user: CurrentUser,
-    session: ReadSessionDep,
-    settings: SettingsDep,
-    response: Response,
     name: Annotated[list[str] | None, Query(description="metric name(s), e.g. train/loss")] = None,
     after_step: Annotated[int | None, Query(ge=-(2**62), le=2**62)] = None,
     max_points: Annotated[int | None, Query(ge=1, le=MAX_POINTS_LIMIT)] = None,
@@ -84,10 +88,7 @@ def get_metrics(
         Literal["json", "csv"], Query(alias="format", description="json (default) or csv")
     ] = "json",
     times: Annotated[bool, Query(description="raw pages: each series' `times` too")] = False,
-) -> MetricsOut | Response:
-    version = job_version(session, user.viewer, job_id)
-    if version is None:
-        raise not_found()
+) -> Response:
     names = [n.strip() for v in name or [] for n in v.split(",") if n.strip()]
     too_long = [n for n in names if len(n) > 100]
     if too_long:
@@ -96,30 +97,74 @@ def get_metrics(
         raise validation_error([("max_step", "must be >= min_step")])
     if fmt == "csv" and max_points is not None:
         raise validation_error([("max_points", "not with format=csv: it holds every point")])
-    wanted = list(dict.fromkeys(names)) or None
-    # The body depends on the job's version and on every parameter that shapes it.
-    page = settings.metrics_page_points
-    bounds = {"min_step": min_step, "max_step": max_step}
-    shape = ("csv",) if fmt == "csv" else ("times",) if times else ()
-    tag = etag(job_id, version, wanted, after_step, max_points, page, min_step, max_step, *shape)
-    validators = {"ETag": tag, "Cache-Control": "no-cache"}
-    response.headers.update(validators)
-    if etag_matches(if_none_match, tag):
-        return Response(status_code=304, headers=validators)
-    if fmt == "csv":
-        sel = Selection(wanted, after_step, min_step, max_step)
-        return _csv_response(request.app.state.read_sessions, job_id, sel, validators)
-    if max_points is not None:
-        series = query_series(
-            session, job_id, names=wanted, after_step=after_step, max_points=max_points, **bounds
-        )
-        return MetricsOut(series={k: Series(**v) for k, v in series.items()})
-    # Raw points come in pages: a million-point curve is never one response.
-    series, next_after = query_page(
-        session, job_id, names=wanted, after_step=after_step, limit=page, with_time=times, **bounds
+    sel = Selection(list(dict.fromkeys(names)) or None, after_step, min_step, max_step)
+    ask = MetricsAsk(sel, max_points, fmt, times)
+    # A page is up to TORCHYARD_METRICS_PAGE_TOTAL_POINTS: read and serialised on the costly
+    # reads' own threads (api/lanes.py), never on the event loop or the store threads.
+    sessions, settings = request.app.state.read_sessions, request.app.state.settings
+    return await lane(request, "costly_reads").run(
+        _metrics, sessions, settings, user, job_id, ask, if_none_match
     )
+
+
+@dataclass(frozen=True)
+class MetricsAsk:
+    sel: Selection  # which points (api/metricscsv.py)
+    max_points: int | None
+    fmt: Literal["json", "csv"]
+    times: bool
+
+
+def _metrics(
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    user: Principal,
+    job_id: str,
+    ask: MetricsAsk,
+    if_none_match: str | None,
+) -> Response:
+    """The metrics answer, its body serialised here (a thread's work, not the loop's)."""
+    with sessions() as session:
+        version = job_version(session, user.viewer, job_id)
+        if version is None:
+            raise not_found()
+        # The body depends on the job's version and on every parameter that shapes it.
+        page, total = settings.metrics_page_points, settings.metrics_page_total_points
+        shape = ("csv",) if ask.fmt == "csv" else ("times",) if ask.times else ()
+        sel = ask.sel
+        tag = etag(job_id, version, sel.names, sel.after_step, ask.max_points, page, sel.min_step,
+                   sel.max_step, *shape, total)  # fmt: skip
+        validators = {"ETag": tag, "Cache-Control": "no-cache"}
+        if etag_matches(if_none_match, tag):
+            return Response(status_code=304, headers=validators)
+        if ask.fmt == "csv":
+            return _csv_response(sessions, job_id, sel, validators)
+        out = _metrics_page(session, job_id, ask, page, total)
+    body = out.model_dump_json(exclude_none=True)
+    return Response(body, media_type="application/json", headers=validators)
+
+
+def _metrics_page(
+    session: Session, job_id: str, ask: MetricsAsk, page: int, total: int
+) -> MetricsOut:
+    """Downsampled curves (each at most max_points buckets, all of them at most `total`),
+    or one raw page (at most `page` points a curve, `total` in all)."""
+    sel = ask.sel
+    bounds = {"min_step": sel.min_step, "max_step": sel.max_step}
+    if ask.max_points is not None:
+        wanted = sel.names or metric_names(session, job_id)
+        buckets = min(ask.max_points, max(1, total // max(1, len(wanted))))
+        series = query_series(session, job_id, names=wanted, after_step=sel.after_step,
+                              max_points=buckets, **bounds)  # fmt: skip
+        capped = True if buckets < ask.max_points and wanted else None
+        return MetricsOut(series={k: Series(**v) for k, v in series.items()}, capped=capped)
+    # Raw points come in pages: a million-point curve is never one response.
+    found = query_page(session, job_id, names=sel.names, after_step=sel.after_step, limit=page,
+                       total=total, with_time=ask.times, **bounds)  # fmt: skip
     return MetricsOut(
-        series={k: Series(**v) for k, v in series.items()}, next_after_step=next_after
+        series={k: Series(**v) for k, v in found.series.items()},
+        next_after_step=found.next_after_step,
+        capped=found.capped or None,
     )
 
 
@@ -164,16 +209,16 @@ def _utf8_cut(chunk: bytes) -> int:
         "`ignore_case`), each with its byte `offset` and `context` lines `before` and "
         "`after`, from `offset` on (`LogMatches`). One request scans at most "
         "TORCHYARD_LOG_GREP_SCAN_BYTES and answers at most `limit_matches` matches (lines cut "
-        "at 4 KiB); go on with `offset = next_offset` until `complete` (the end of the log "
-        "as it was)."
+        "at 4 KiB), within TORCHYARD_LOG_GREP_MAX_S seconds (past it, what was found with "
+        "`stopped_early`); go on with `offset = next_offset` until `complete` (the end of "
+        "the log as it was)."
     ),
     responses=responses(401, 404, 422, 503),
 )
-def get_logs(
+async def get_logs(
     job_id: str,
+    request: Request,
     user: CurrentUser,
-    session: ReadSessionDep,
-    settings: SettingsDep,
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     limit: Annotated[int, Query(ge=1, le=4 * 1024 * 1024)] = 256 * 1024,
     rank: Annotated[int, Query(ge=0, le=2**20)] = 0,
@@ -183,28 +228,50 @@ def get_logs(
     ignore_case: bool = False,
     context: Annotated[int, Query(ge=0, le=MAX_GREP_CONTEXT)] = 2,
     limit_matches: Annotated[int, Query(ge=1, le=MAX_GREP_MATCHES)] = 200,
-) -> LogChunk | LogMatches:
-    found = get_job(session, user.viewer, job_id)
-    if found is None:
-        raise not_found()
-    job = found[0]
-    if rank >= job.world_size:
-        raise validation_error(
-            [("rank", f"the job has {job.world_size} rank(s): 0 to {job.world_size - 1}")]
-        )
-    terminal = job.state in TERMINAL
-    storage = storage_for(settings)
-    name = LOG_FILE if storage.stored_run_dirs else rank_log_file(rank)
-    key = job_key(job.id, name)
+) -> Response:
+    state = request.app.state
+    at = LogAt(state.read_sessions, state.settings, user, job_id, rank, offset)
+    # Answers of up to 4 MiB: serialised in the thread that reads them, not on the loop.
+    if grep is None:
+        return await run_in_threadpool(_read_log, at, limit)
+    search = GrepAsk(grep, ignore_case, context, limit_matches)
+    _check_pattern(search.pattern)
+    # A search is bounded in bytes and time, and runs on the costly reads' own threads
+    # (api/lanes.py): never holding up the threads that serve other reads.
+    return await lane(request, "costly_reads").run(_search_log, at, search)
+
+
+@dataclass(frozen=True)
+class LogAt:
+    """Which log, from where, as the user asked for it."""
+
+    sessions: sessionmaker[Session]
+    settings: Settings
+    user: Principal
+    job_id: str
+    rank: int
+    offset: int
+
+    def find(self) -> tuple[Storage, Job, str]:
+        """The storage, the job (404 unless the user sees it) and its (rank's) log's key."""
+        storage = storage_for(self.settings)
+        with self.sessions() as session:
+            found = get_job(session, self.user.viewer, self.job_id)
+        if found is None:
+            raise not_found()
+        job = found[0]
+        if self.rank >= job.world_size:
+            raise validation_error(
+                [("rank", f"the job has {job.world_size} rank(s): 0 to {job.world_size - 1}")]
+            )
+        name = LOG_FILE if storage.stored_run_dirs else rank_log_file(self.rank)
+        return storage, job, job_key(job.id, name)
+
+
+@contextmanager
+def _refusing_links(job: Job) -> Iterator[None]:
     try:
-        if grep is not None:
-            search = GrepAsk(grep, ignore_case, context, limit_matches)
-            return _grep(storage.read_range, key, search, offset, settings.log_grep_scan_bytes)
-        chunk, size = storage.read_range(key, offset, limit)
-    except (FileNotFoundError, NotADirectoryError):
-        if grep is not None:
-            return LogMatches(matches=[], offset=0, next_offset=0, size=0, scanned=0, complete=True)  # fmt: skip
-        return LogChunk(data="", offset=0, next_offset=0, size=0, complete=terminal)
+        yield
     except (UnsafePath, PermissionError) as e:
         # The job replaced its log with a link (or made it unreadable): never followed.
         log.warning("refused to serve the log of job %s: %s", job.id, e)
@@ -214,17 +281,44 @@ def get_logs(
             "directory (a symbolic link?)",
             code="file_refused",
         ) from None
-    start = min(offset, size)
+
+
+def _json(model: LogChunk | LogMatches) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _read_log(at: LogAt, limit: int) -> Response:
+    storage, job, key = at.find()
+    terminal = job.state in TERMINAL
+    try:
+        with _refusing_links(job):
+            chunk, size = storage.read_range(key, at.offset, limit)
+    except (FileNotFoundError, NotADirectoryError):
+        return _json(LogChunk(data="", offset=0, next_offset=0, size=0, complete=terminal))
+    start = min(at.offset, size)
     if start + len(chunk) < size:
         chunk = chunk[: _utf8_cut(chunk)]
     end = start + len(chunk)
-    return LogChunk(
-        data=chunk.decode("utf-8", errors="replace"),
-        offset=start,
-        next_offset=end,
-        size=size,
-        complete=terminal and end >= size,
+    return _json(
+        LogChunk(
+            data=chunk.decode("utf-8", errors="replace"),
+            offset=start,
+            next_offset=end,
+            size=size,
+            complete=terminal and end >= size,
+        )
     )
+
+
+def _search_log(at: LogAt, search: GrepAsk) -> Response:
+    storage, job, key = at.find()
+    bounds = (at.settings.log_grep_scan_bytes, at.settings.log_grep_max_s)
+    try:
+        with _refusing_links(job):
+            return _json(_grep(storage.read_range, key, search, at.offset, *bounds))
+    except (FileNotFoundError, NotADirectoryError):
+        empty = LogMatches(matches=[], offset=0, next_offset=0, size=0, scanned=0, complete=True)
+        return _json(empty)
 
 
 @dataclass(frozen=True)
@@ -235,12 +329,18 @@ class GrepAsk:
     limit_matches: int
 
 
-def _grep(read: Reader, key: str, ask: GrepAsk, offset: int, scan_bytes: int) -> LogMatches:
-    """One bounded search of the log (api/loggrep.py); 422 for a pattern it cannot take."""
-    if not ask.pattern:
+def _check_pattern(pattern: str) -> None:
+    """422 for a pattern the search cannot take."""
+    if not pattern:
         raise validation_error([("grep", "must not be empty")])
-    if "\n" in ask.pattern or "\r" in ask.pattern:
+    if "\n" in pattern or "\r" in pattern:
         raise validation_error([("grep", "searches one line: no line break in the pattern")])
+
+
+def _grep(
+    read: Reader, key: str, ask: GrepAsk, offset: int, scan_bytes: int, max_s: float
+) -> LogMatches:
+    """One search of the log bounded in bytes and time (api/loggrep.py)."""
     found = grep_log(
         lambda start, n: read(key, start, n),
         ask.pattern,
@@ -249,6 +349,7 @@ def _grep(read: Reader, key: str, ask: GrepAsk, offset: int, scan_bytes: int) ->
         offset=offset,
         limit_matches=ask.limit_matches,
         scan_bytes=scan_bytes,
+        max_s=max_s,
     )
 
     def line(ln: Line) -> LogLine:
@@ -272,4 +373,5 @@ def _grep(read: Reader, key: str, ask: GrepAsk, offset: int, scan_bytes: int) ->
         size=found.size,
         scanned=found.scanned,
         complete=found.complete,
+        stopped_early=found.stopped_early,
     )

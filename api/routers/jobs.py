@@ -21,6 +21,7 @@ from torchyard.api.deps import (
 )
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.jsonlimits import decode_body
+from torchyard.api.lanes import run_checks
 from torchyard.api.roles import require_role
 from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
@@ -156,11 +157,13 @@ async def submit_job(
     raw = await request.body()
     state = request.app.state  # read now: tests swap the sessions
     sessions = (state.read_sessions, state.sessions)
-    # Decoding and checking the spec are CPU work bounded by the body's size: off the
-    # event loop, with the store calls, in one thread hop.
-    job, wake = await run_in_threadpool(
-        _submit, sessions, settings, user, raw, idempotency_key, actor_of(request, user), rerun_of
-    )
+    # Decoding and checking the spec are CPU work bounded by the body's size (and a model
+    # build's bounds): off the event loop, with the store calls, in one hop to the checks'
+    # own threads (api/lanes.py), never the ones serving reads.
+    job, wake = await run_checks(
+        request, user.id,
+        _submit, sessions, settings, user, raw, idempotency_key, actor_of(request, user), rerun_of,
+    )  # fmt: skip
     if wake:
         background.add_task(broker.wake_scheduler, settings)
     else:  # the job first stored with this Idempotency-Key

@@ -27,6 +27,7 @@ from torchyard.api.deps import (
 )
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.jsonlimits import decode_body
+from torchyard.api.lanes import run_checks, too_many_builds
 from torchyard.api.roles import require_role
 from torchyard.api.sweep_importance import sweep_importances
 from torchyard.api.sweep_schemas import (
@@ -39,8 +40,8 @@ from torchyard.api.sweep_schemas import (
 from torchyard.broker import app as broker
 from torchyard.contracts import spec as job_spec
 from torchyard.contracts.specerrors import MAX_LISTED, without_excess_unknown
+from torchyard.scheduler import modelsize, submit
 from torchyard.scheduler import space as sp
-from torchyard.scheduler import submit
 from torchyard.settings import Settings
 from torchyard.store.audit import Actor, record
 from torchyard.store.bundles import sweep_bundles, touch_bundles
@@ -85,7 +86,8 @@ CREATE_BODY = {
 
 
 def _corner_problems(check: submit.Admission, base: dict[str, Any], space: sp.Space) -> Problems:
-    """Each bound and choice set alone into the base spec, checked."""
+    """Each bound and choice set alone into the base spec, checked. Past the request's
+    budget of model builds (api/lanes.py), 422 naming the parameter that went over it."""
     problems: Problems = []
     for path, field, value in sp.iter_corner_params(space):
         try:
@@ -93,6 +95,8 @@ def _corner_problems(check: submit.Admission, base: dict[str, Any], space: sp.Sp
         except sp.PathError as e:
             problems.append((f"space.{path}", str(e)))
             continue
+        except modelsize.TooManyBuilds as e:
+            raise validation_error([(f"space.{path}", too_many_builds(e.bound))], "sweep") from None
         problems += [_corner_problem(path, field, f, m) for f, m in found]
     return list(dict.fromkeys(problems))
 
@@ -214,16 +218,22 @@ def _out(session: Session, user: Principal, sweep_id: str) -> SweepOut:
     "submit would (422 naming each field, e.g. `space.optimizer.lr.low`; 403 for what the "
     "user may not submit: code without the permission, a priority above 0 with preemptible: "
     "false from a non-admin), stores the sweep and wakes the scheduler, whose sweep controller "
-    "then queues the trials as jobs of the user, `parallel` at a time.",
-    responses=responses(401, 403, 413, 422, 503),
+    "then queues the trials as jobs of the user, `parallel` at a time. Choices that each "
+    "make a `torchvision/<name>` model not counted before are built to be counted: at most "
+    "TORCHYARD_MAX_MODEL_CHECKS_PER_REQUEST per sweep (422 naming the parameter), a user's "
+    "submits building at once at most TORCHYARD_MAX_MODEL_CHECKS_PER_USER (429).",
+    responses=responses(401, 403, 413, 422, 429, 503),
     openapi_extra=CREATE_BODY,
 )
 async def create_sweep_route(
     request: Request, user: CurrentUser, settings: SettingsDep, background: BackgroundTasks
 ) -> SweepOut:
     raw = await request.body()
-    # Decoding and every check are CPU work bounded by the body's size: off the event loop.
-    new = await run_in_threadpool(_checked, request.app.state.read_sessions, settings, user, raw)
+    # Decoding and every check are CPU work bounded by the body's size and the builds'
+    # budget: off the event loop, on the checks' own threads (api/lanes.py).
+    new = await run_checks(
+        request, user.id, _checked, request.app.state.read_sessions, settings, user, raw
+    )
     actor = actor_of(request, user)
     out = await run_in_threadpool(_store, request.app.state.sessions, user, new, actor)
     background.add_task(broker.wake_scheduler, settings)

@@ -101,6 +101,25 @@ def test_paging_through_a_budget_and_chunks_that_split_a_match(
     assert pages >= len(data) // 4096
 
 
+def test_a_search_past_its_time_answers_what_it_found_and_where_to_go_on(
+    client: TestClient, alice: dict[str, str], app: Any, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _grep(client, job, alice, grep="Warning")["stopped_early"] is False
+    monkeypatch.setattr(loggrep, "CHUNK_BYTES", 64)
+    app.state.settings = app.state.settings.model_copy(update={"log_grep_max_s": 1e-9})
+    found, offset, stopped = [], 0, 0
+    while True:
+        body = _grep(client, job, alice, grep="Warning", offset=offset)
+        assert body["scanned"] <= 64  # one chunk, then the time bound
+        found += [m["offset"] for m in body["matches"]]
+        stopped += body["stopped_early"]
+        if body["complete"]:
+            break
+        offset = body["next_offset"]
+    assert found == [LOG.index(b"step 4"), LOG.index(b"step 9")]
+    assert stopped >= 2
+
+
 def test_a_very_long_line_is_cut_and_found(
     client: TestClient, alice: dict[str, str], factory: Factory, settings: Settings
 ) -> None:

@@ -134,6 +134,37 @@ def test_raw_range_pages(
     assert seen == list(range(5, 15))
 
 
+def test_pages_are_bounded_across_series_and_a_long_one_gets_what_short_ones_left(
+    client: TestClient, alice: dict[str, str], factory: Factory, db_url: str, app: Any
+) -> None:
+    """TORCHYARD_METRICS_PAGE_TOTAL_POINTS over all curves: 9 curves of 10 points leave a
+    long one most of a 1,000-point page (an even share would be 100), pages follow as
+    before, and downsampled curves get fewer buckets each."""
+    app.state.settings = app.state.settings.model_copy(update={"metrics_page_total_points": 1000})
+    job = factory.job("alice", state="running")
+    rows = [{"name": "long", "step": k, "value": 1.0, "time": 1.0} for k in range(2500)]
+    rows += [{"name": f"short{i}", "step": k, "value": 1.0, "time": 1.0}
+             for i in range(9) for k in range(10)]  # fmt: skip
+    with session_scope(db_url) as s:
+        ingest_metrics(s, job, rows)
+    url, after, pages = f"/v1/jobs/{job}/metrics", None, []
+    while True:
+        params = {} if after is None else {"after_step": after}
+        body = client.get(url, params=params, headers=alice).json()
+        pages.append(body)
+        assert sum(len(c["steps"]) for c in body["series"].values()) <= 1000
+        after = body.get("next_after_step")
+        if after is None:
+            break
+    assert len(pages[0]["series"]["long"]["steps"]) == 910 and pages[0]["capped"] is True
+    assert [k for b in pages for k in b["series"]["long"]["steps"]] == list(range(2500))
+    assert [k for b in pages for k in b["series"]["short3"]["steps"]] == list(range(10))
+    assert "capped" not in pages[-1] and len(pages) == 3
+    wide = client.get(url, params={"max_points": 500}, headers=alice).json()
+    assert len(wide["series"]["long"]["steps"]) <= 100 and wide["capped"] is True
+    assert "capped" not in client.get(url, params={"max_points": 50}, headers=alice).json()
+
+
 def test_range_validation_etag_and_access(
     client: TestClient,
     alice: dict[str, str],

@@ -107,6 +107,19 @@ def test_paged_search_equals_a_whole_log_grep(seed: int) -> None:
     assert got == want, (log, pattern, kw)
 
 
+def test_a_search_past_its_time_stops_between_chunks_and_goes_on() -> None:
+    """`max_s` is checked between chunks (one at least is read): what was found comes back
+    with `stopped_early`, and paging from `next_offset` finds every match once."""
+    log = b"".join(b"line %d%s\n" % (i, b" hit" if i % 10 == 3 else b"") for i in range(100))
+    r = grep_log(_reader(log), "hit", chunk_bytes=64, max_s=0.0)
+    assert r.stopped_early and not r.complete and r.scanned == 64
+    assert 0 < r.next_offset <= 64 and log[r.next_offset - 1] == ord("\n")
+    got, pages = _all_pages(log, "hit", chunk_bytes=64, max_s=0.0)
+    assert got == _reference(log, "hit", False, 2) and pages > 10
+    whole = grep_log(_reader(log), "hit", chunk_bytes=64, max_s=60.0)
+    assert whole.complete and not whole.stopped_early and len(whole.matches) == 10
+
+
 def test_crc_line_endings_and_context_across_chunks() -> None:
     log = b"".join(
         b"line %d%s\r\n" % (i, b" ERROR" if i in (3, 50, 51, 99) else b"") for i in range(100)
