@@ -243,17 +243,21 @@ class LocalStorage(Storage):
         stack = [clean]
         while stack:
             rel = stack.pop()
-            try:
-                entries = list(os.scandir(self.root / rel))
-            except _MISSING:
+            try:  # by descriptor: a folder swapped for a link meanwhile is never listed
+                fd = beneath.open_dir(self.root, rel)
+            except (*_MISSING, UnsafePath):
                 continue
-            for entry in entries:
-                key = f"{rel}/{entry.name}" if rel else entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(key)
-                elif entry.is_file(follow_symlinks=False) and not _is_temp(entry.name):
-                    st = entry.stat(follow_symlinks=False)
-                    found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+            try:
+                for entry in os.scandir(fd):
+                    key = f"{rel}/{entry.name}" if rel else entry.name
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(key)
+                    elif entry.is_file(follow_symlinks=False) and not _is_temp(entry.name):
+                        with contextlib.suppress(FileNotFoundError):
+                            st = entry.stat(follow_symlinks=False)
+                            found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+            finally:
+                os.close(fd)
         return iter(sorted(found, key=lambda o: o.key))
 
     # ---------------------------------------------------------------- writing

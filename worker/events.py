@@ -570,6 +570,11 @@ class EventRecorder:
             if got is None and self.measure is not None:
                 try:
                     got = self._measured[path] = self.measure(path)
+                except FileNotFoundError:  # pruned by a later save already (keep_last)
+                    log.info("job %s: checkpoint %s is gone before it was recorded",
+                             self.job_id, path)  # fmt: skip
+                    self.pruned_unrecorded.extend(c.pruned or [])
+                    continue
                 except (OSError, UnsafePath) as e:
                     self.set_aside.add(f"checkpoint {path}: its file cannot be read ({e})")
                     self.pruned_unrecorded.extend(c.pruned or [])

@@ -107,11 +107,13 @@ INIT_CACHE_KEEP_S = 24 * 3600  # a copy not used for a day is removed when anoth
 
 
 def _private_copy(cache: Path, root: Path, key: str, sha256: str | None) -> Path:
-    """`root/key` copied into `cache/<sha256>` (content-addressed: reused while it is
-    there), hashed as it is copied and checked against `sha256`."""
+    """`root/key` copied into `cache/<sha256><its suffix>` (content-addressed: reused while
+    it is there; the suffix tells the trainer a safetensors file from a checkpoint), hashed
+    as it is copied and checked against `sha256`."""
     cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    suffix = "".join(c for c in Path(key).suffix if c.isalnum() or c == ".")[:16]
     if sha256 is not None:
-        known = cache / sha256
+        known = cache / f"{sha256}{suffix}"
         with contextlib.suppress(FileNotFoundError):
             os.utime(known)  # in use: not evicted
             return known
@@ -120,11 +122,11 @@ def _private_copy(cache: Path, root: Path, key: str, sha256: str | None) -> Path
         got, _ = beneath.copy_out(root, key, tmp)
         if sha256 is not None and got != sha256:
             raise ChecksumMismatch(f"sha256 {got}, recorded {sha256}")
-        os.replace(tmp, cache / got)
+        os.replace(tmp, cache / f"{got}{suffix}")
     finally:
         tmp.unlink(missing_ok=True)
-    _evict(cache, keep=got)
-    return cache / got
+    _evict(cache, keep=f"{got}{suffix}")
+    return cache / f"{got}{suffix}"
 
 
 def _evict(cache: Path, keep: str) -> None:

@@ -78,11 +78,14 @@ def test_ingest_resumes_where_the_store_stopped_and_old_events_never_move_the_jo
     run_dir = job_dir(settings.storage, job_id)
     run_dir.mkdir(parents=True)
     events = run_dir / EVENTS_FILE
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "s3.pt").write_bytes(b"x")  # recorded as the worker reads it
+    sha = hashlib.sha256(b"x").hexdigest()
     committed = _line(type="metric", attempt=1, step=1, name="train/loss", value=2.0)
     unrecorded = "".join(
         [
             *(_line(type="metric", attempt=1, step=i, name="train/loss", value=1 / i) for i in (2, 3)),
-            _line(type="checkpoint", attempt=1, step=3, path="checkpoints/s3.pt", bytes=1, sha256="a" * 64),
+            _line(type="checkpoint", attempt=1, step=3, path="checkpoints/s3.pt", bytes=1, sha256=sha),
             _line(type="finished", attempt=1, step=3),
         ]
     )  # fmt: skip
