@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from seaweed import Seaweed, SeaweedError, start_seaweed
 
+# `--timing-report PATH`: seconds per module and per fixture setup (tests/support/timing.py).
+pytest_plugins = ["support.timing"]
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get(
     "TORCHYARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
