@@ -28,7 +28,10 @@ def services(compose: dict) -> dict:
 
 
 def test_services(services: dict) -> None:
-    assert set(services) == {"postgres", "redis", "objectstore", "bucket"} | TORCHYARD_SERVICES
+    assert (
+        set(services)
+        == {"postgres", "redis", "objectstore", "objectstore-tls", "bucket"} | TORCHYARD_SERVICES
+    )
 
 
 def test_store_and_broker_are_not_published_on_public_interfaces(services: dict) -> None:
@@ -135,3 +138,28 @@ def test_every_image_name_can_be_overridden_with_the_official_one_as_default(
         "PYTHON_IMAGE": "${TORCHYARD_PYTHON_IMAGE:-python:3.11-slim}",
         "NODE_IMAGE": "${TORCHYARD_NODE_IMAGE:-node:20-slim}",
     }
+
+
+def test_the_object_stores_insides_answer_no_anonymous_request(services: dict) -> None:
+    """SeaweedFS's filer, master and volume servers sit beside the S3 gateway, on the same
+    network as the jobs: fresh JWT keys at each start (filer reads and writes, volume
+    writes), admin calls from the container itself only, gRPC with mutual TLS; the same in
+    the host-network override the deployment test runs (which checks them for real)."""
+    store = services["objectstore"]
+    assert store["depends_on"]["objectstore-tls"]["condition"] == "service_completed_successfully"
+    assert "objectstore-tls:/etc/seaweedfs/tls:ro" in store["volumes"]
+    env = store["environment"]
+    assert env["WEED_GRPC_CA"] == "/etc/seaweedfs/tls/ca.pem"
+    for part in ("MASTER", "VOLUME", "FILER", "S3", "CLIENT"):
+        assert env[f"WEED_GRPC_{part}_CERT"] == "/etc/seaweedfs/tls/cert.pem"
+        assert env[f"WEED_GRPC_{part}_KEY"] == "/etc/seaweedfs/tls/key.pem"
+    loader = type("Loader", (yaml.SafeLoader,), {})
+    loader.add_constructor("!reset", lambda _loader, _node: None)  # compose's override tag
+    text = (ROOT / "deploy" / "compose.cpu.yml").read_text()
+    override = yaml.load(text, Loader=loader)["services"]  # a SafeLoader
+    for command in (store["command"][0], override["objectstore"]["command"][0]):
+        for key in ("SIGNING_KEY", "FILER_SIGNING_KEY", "FILER_SIGNING_READ_KEY"):
+            assert f"WEED_JWT_{key}" in command
+        assert "-whiteList=127.0.0.1,@" in command and "-ip=127.0.0.1" in command
+    tls = services["objectstore-tls"]
+    assert tls["restart"] == "no" and tls["volumes"] == ["objectstore-tls:/tls"]

@@ -11,7 +11,8 @@ checks what the upgrade kept. On the upgraded stack a world_size-2 job (one rank
 worker container) is submitted through the API's port with the `torchyard` client, followed
 to its end and its checkpoint downloaded. Then each of api, scheduler, a worker, PostgreSQL,
 Redis and the object store is restarted in turn while a job runs, and that job must still
-succeed. Then scripts/backup.sh, `down -v`, scripts/restore.sh into the fresh deployment,
+succeed. The object store's insides (SeaweedFS's filer, master and volume servers) refuse
+a worker container's anonymous requests. Then scripts/backup.sh, `down -v`, scripts/restore.sh into the fresh deployment,
 and the jobs' checkpoints, metrics and the admin token must all be back. Last, everything
 is stopped and the containers, volumes and images the test made are removed (the cached
 base image stays).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -112,6 +114,9 @@ def _asked(config: pytest.Config) -> bool:
 
 def _start(s: Stack) -> None:
     """In depends_on order, each step's health checks or exit status awaited."""
+    s.up("objectstore-tls")
+    s.wait_completed("objectstore-tls")
+    _remove_one_shots(s, "objectstore-tls")
     s.up("postgres", "redis", "objectstore")
     for name in ("postgres", "redis", "objectstore"):
         s.wait_healthy(name)
@@ -363,6 +368,66 @@ def test_a_job_survives_a_restart_of(stack: Stack, tmp_path: Path, service: str)
         # The stopped worker checkpointed its rank and handed the job back: a new attempt.
         assert len(j["attempts"]) >= 2, j["attempts"]
     TIMINGS[f"restart_{service}_s"] = round(time.monotonic() - t0, 1)
+
+
+# Run in a worker container (where a job runs): the filer's HTTP API asked, without the S3
+# gateway's JWT, to list the bucket, read an object and write one. Prints each status.
+FILER_PROBE = """
+import sys, urllib.error, urllib.request
+filer = f"http://127.0.0.1:{sys.argv[1]}/buckets/torchyard/cluster"
+for what, method, path in (("list", "GET", "/"), ("read", "GET", "/x"), ("write", "PUT", "/planted")):
+    req = urllib.request.Request(filer + path, method=method, headers={"Accept": "application/json"},
+                                 data=b"x" if method == "PUT" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            print(what, r.status)
+    except urllib.error.HTTPError as e:
+        print(what, e.code)
+"""
+
+
+def _anonymous_grpc(port: int, method: str, body: bytes) -> str:
+    """A gRPC call in the clear, without a certificate: its status code's name."""
+    import grpc
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10):
+        pass  # listening: a refusal below is the server's, not a closed port
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            if method.endswith("/ListEntries"):
+                list(channel.unary_stream(method)(body, timeout=10))
+            else:
+                channel.unary_unary(method)(body, timeout=10)
+        except grpc.RpcError as e:
+            return str(e.code().name)
+    return "OK"
+
+
+def test_the_object_stores_insides_refuse_anonymous_requests(stack: Stack) -> None:
+    """Issue 42: a job on the compose network went around the S3 gateway's keys through
+    SeaweedFS's own servers. From a worker container the filer's HTTP API refuses to list,
+    read or write without the gateway's JWT; and every gRPC port (master, volume server,
+    filer, and the S3 gateway's own, which sets its identities) refuses a client without
+    the deployment's certificate. The gRPC calls go from this process: host networking
+    here, so it reaches exactly what a worker container reaches."""
+    weed = int(stack.env["TORCHYARD_DEPLOY_WEED_PORT"])
+    s3 = int(stack.env["TORCHYARD_DEPLOY_S3_PORT"])
+    out = stack.podman("exec", stack.container("worker-cpu0"), "python", "-c", FILER_PROBE,
+                       str(weed + 2))  # fmt: skip
+    assert dict(line.split() for line in out.splitlines()) == {
+        "list": "401",
+        "read": "401",
+        "write": "401",
+    }, out
+    folder = b"/buckets/torchyard/cluster"
+    listing = b"\x0a" + bytes([len(folder)]) + folder  # filer_pb.ListEntriesRequest{directory}
+    for port, method, body in (
+        (weed + 10000, "/master_pb.Seaweed/GetMasterConfiguration", b""),
+        (weed + 10001, "/volume_server_pb.VolumeServer/VolumeServerStatus", b""),
+        (weed + 10002, "/filer_pb.SeaweedFiler/ListEntries", listing),
+        (s3 + 10000, "/messaging_pb.SeaweedS3IamCache/PutIdentity", b""),
+    ):
+        assert _anonymous_grpc(port, method, body) == "UNAVAILABLE", method
 
 
 def _script(s: Stack, argv: list[str]) -> str:
