@@ -22,7 +22,9 @@ attempt meanwhile finds that attempt's folder under the run directory's name, an
 from the run's own checkpoint (a paused sweep trial, a preempted job on local storage) are
 handed over; a job whose inputs lie elsewhere (init weights, a checkpoint fetched into the
 host's cache) starts cold, since the standing sandbox can no longer gain a bind, and so
-does another user's job (the zygote served this one's).
+does another user's job: a zygote runs as one user's uid (worker/sandbox.py), the uid of the
+user the slot last served (the slot's first, of no user), so another user's job starts cold
+and the slot's next zygote is theirs.
 
 Where the host cannot run bubblewrap (no user namespaces, no `bwrap`, macOS) the worker
 says so when it starts; built-in jobs then run as `local` ones, and a job that runs user
@@ -180,7 +182,11 @@ class SandboxLauncher:
 
     def __init__(self, settings: Settings, standby: Standby | None):
         self.settings = settings
-        self.ident: Identity = identity(settings.sandbox_uid)
+        self.ident: Identity = identity(settings.sandbox_uid)  # of the sandbox being made
+        # The host uid the slot's next zygote runs as, and whose it is: the user the slot
+        # last served (a zygote cannot change its uid, so it serves that user alone; another
+        # user's job starts cold and the next zygote is theirs). At first no user's.
+        self._next: tuple[int, int | None] = (settings.sandbox_uid, None)
         root = settings.home.resolve() / "sandbox"
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
@@ -210,6 +216,8 @@ class SandboxLauncher:
 
     def _start_standby(self, env: dict[str, str], out_fd: int) -> subprocess.Popen[bytes]:
         self._end_zygote()  # one that died idle, or cannot serve again
+        uid, tenant = self._next
+        self.ident = identity(uid)
         runs = self._runs_root()
         runs.mkdir(parents=True, exist_ok=True)
         sweep_next_folders(runs)
@@ -217,7 +225,8 @@ class SandboxLauncher:
         give_run_dir(nxt, self.ident.owns())
         code = self._slot_dir("code")
         give_to(code, self.ident.owns())
-        mounts = Mounts(run_dir=nxt, code=code, data=self.settings.data, lease=_lease(env))
+        mounts = Mounts(run_dir=nxt, code=code, data=self.settings.data, lease=_lease(env),
+                        host_network=self._host_network(1))  # fmt: skip
         inside_env = sandbox_env(env, _bin())
         ours, theirs = socket_pair()
         try:
@@ -231,6 +240,7 @@ class SandboxLauncher:
         finally:
             theirs.close()
         self._zygote = Zygote(proc, ours, init, nxt)
+        self._zygote.uid, self._zygote.tenant = uid, tenant
         return proc
 
     def _hand_over(self, request: LaunchRequest, oom_before: int | None) -> ZygoteTrainer | None:
@@ -243,7 +253,7 @@ class SandboxLauncher:
         if not inputs_in_run_dir(launch) or not self._zygote_inside(z):
             return None
         env = sandbox_env(request.env, _bin())
-        refused = _refusal(z, request)
+        refused = _refusal(z, request, self._uid(request))
         if refused is not None:
             level, why = refused
             log.log(level, "%s; cold start, a new one after", why)
@@ -255,6 +265,7 @@ class SandboxLauncher:
             self._end_zygote()
             return None
         z.pump = handed.pump
+        self.ident = identity(self._uid(request))  # the zygote's (`_refusal`)
         try:
             _empty(z.folder)  # links to the last job's files (its run dir holds them)
             mirror(launch.run_dir, z.folder)  # the run dir stays whole: a crash loses nothing
@@ -381,8 +392,19 @@ class SandboxLauncher:
                 return warm
         return self._cold(request, oom_before)
 
+    def _host_network(self, world_size: int) -> bool:
+        """TORCHYARD_SANDBOX_NETWORK=none gives one-rank trainers (and the zygote, which
+        runs only those) a network namespace of their own; DDP ranks need the host's."""
+        return self.settings.sandbox_network == "host" or world_size > 1
+
+    def _uid(self, request: LaunchRequest) -> int:
+        """The host uid the request's user's trainers run as (worker/launcher.py)."""
+        return self.settings.sandbox_uid if request.sandbox_uid is None else request.sandbox_uid
+
     def _cold(self, request: LaunchRequest, oom_before: int | None) -> SandboxTrainer:
         launch = request.launch
+        self.ident = identity(self._uid(request))
+        self._next = (self._uid(request), request.tenant)  # the slot's next zygote is theirs
         give_run_dir(launch.run_dir, self.ident.owns())
         # Not the standby's code folder: it is bound into the waiting standby.
         code = self._private_code(launch.code_dir, self._slot_dir("cold-code"))
@@ -394,6 +416,7 @@ class SandboxLauncher:
             inputs=inputs,
             data=self.settings.data,
             lease=_lease(request.env),
+            host_network=self._host_network(launch.world_size),
         )
         pump, w = piped_log(request.max_log_bytes, request.log_path)
         env = sandbox_env(request.env, _bin())
@@ -462,8 +485,10 @@ class SandboxLauncher:
         return inside
 
 
-def _refusal(z: Zygote, request: LaunchRequest) -> tuple[int, str] | None:
-    """Why the zygote may not take this job (log level, reason), or None."""
+def _refusal(z: Zygote, request: LaunchRequest, uid: int) -> tuple[int, str] | None:
+    """Why the zygote may not take this job of host uid `uid` (log level, reason), or None."""
+    if z.uid != uid:
+        return logging.INFO, "the warm trainer runs as another user's uid"
     if z.tenant is not None and z.tenant != request.tenant:
         return logging.INFO, "the warm trainer served another user's jobs"
     if not z.holds(z.folder):  # never: the worker alone names the folder it owns

@@ -19,9 +19,11 @@ Not `TORCHYARD_HOME` (admin token, database, other jobs, bundle cache), not the 
 it was installed from (`.env`, `.git`), not the worker's environment: the environment is
 built from an allow-list (`sandbox_env`).
 
-Identity: a worker running as root runs its trainers as an unprivileged host user
-(`TORCHYARD_SANDBOX_UID`, never root, never the worker's) with no capabilities and
-`no_new_privs`; the run directory and private copies are handed to that user. A worker
+Identity: a worker running as root runs each user's trainers as an unprivileged host uid of
+that user's own (store/sandboxuids.py: after `TORCHYARD_SANDBOX_UID`, never root, never the
+worker's, never another user's) with no capabilities and `no_new_privs`; the run directory
+and private copies are handed to that uid. Every trainer runs under a seccomp filter
+(worker/seccomp.py) and in a tasks-limited cgroup (worker/cgroups.py). A worker
 running as an ordinary user runs them as uid 1000 of a user namespace of their own, with no
 capabilities. The network is the host's (DDP across hosts needs it): the broker and the
 database must require a password, which the trainer never gets.
@@ -122,6 +124,7 @@ class Mounts:
     inputs: list[tuple[Path, Path]] = field(default_factory=list)  # read-only files
     data: Path | None = None
     lease: Path | None = None
+    host_network: bool = True  # False: a network namespace of its own (loopback only)
 
 
 @cache
@@ -155,8 +158,12 @@ def say_sandbox(settings: Any) -> None:
     ok = support()
     if ok.ok:
         who = identity(settings.sandbox_uid)
-        as_ = f"uid {who.uid}" if who.drop else f"uid {who.uid} of a user namespace"
-        log.info("trainers run sandboxed (bubblewrap, as %s)", as_)
+        base = settings.sandbox_uid
+        as_ = (
+            f"each user's own uid from {base + 1}" if who.drop
+            else f"uid {who.uid} of a user namespace"
+        )  # fmt: skip
+        log.info("trainers run sandboxed (bubblewrap, seccomp, as %s)", as_)
     else:
         log.warning(
             "this host cannot sandbox trainers: %s. Built-in jobs run unsandboxed; jobs that "
@@ -335,6 +342,8 @@ def sandbox_argv(inner: list[str], mounts: Mounts, ident: Identity,
     if mounts.lease is not None:
         args += ["--perms", "0755", "--dir", str(LEASE.parent)]
         args += ["--ro-bind", str(mounts.lease), str(LEASE)]
+    if not mounts.host_network:
+        args += ["--unshare-net"]
     args += ["--chdir", str(JOB), "--", *_drop(ident), *inner]
     return args
 
