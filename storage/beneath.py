@@ -273,8 +273,8 @@ def replace_file(root: Path | int, rel: str | Path, data: bytes, mode: int = 0o6
 
 def append_owned(root: Path | int, rel: str | Path, data: bytes) -> None:
     """Append to a file this process owns (created, 0644, when missing): a file of
-    anyone else's by that name (the job replaced it), a link or a file with a second name
-    is refused with PermissionError, and nothing is written."""
+    anyone else's by that name (the job replaced it) or a link is refused with
+    PermissionError, and nothing is written."""
     fd = open_owned(root, rel, os.O_WRONLY | os.O_APPEND)
     try:
         _write_all(fd, data)
@@ -284,13 +284,15 @@ def append_owned(root: Path | int, rel: str | Path, data: bytes) -> None:
 
 def open_owned(root: Path | int, rel: str | Path, flags: int, mode: int = 0o644) -> int:
     """`root/rel` opened with `flags | O_CREAT`, only if it is a regular file of this
-    process's user with one name (PermissionError otherwise; the caller closes it)."""
+    process's user (PermissionError otherwise; the caller closes it). A second name does
+    not matter: inside its sandbox a job can link only files of its own folder, and the
+    zygote's hand-over links the run dir's files on purpose."""
     try:
         fd = _open_at(root, rel, flags | os.O_CREAT | os.O_NONBLOCK | _CLOEXEC, mode)
     except UnsafePath as e:
         raise PermissionError(errno.ELOOP, str(e), str(rel)) from None
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
         os.close(fd)
         raise PermissionError(errno.EPERM, "not a file of the worker's own", str(rel))
     os.set_blocking(fd, True)
@@ -298,16 +300,16 @@ def open_owned(root: Path | int, rel: str | Path, flags: int, mode: int = 0o644)
 
 
 def claim_owned(root: Path | int, name: str) -> None:
-    """Make `root/name` a regular file of this process's user with one name: kept as it is
-    when it already is, else its bytes (when it is a regular file) copied into a fresh file
-    that takes its name; a link, folder or FIFO in its place is renamed aside."""
+    """Make `root/name` a regular file of this process's user: kept as it is when it
+    already is, else its bytes (when it is a regular file) copied into a fresh file that
+    takes its name; a link, folder or FIFO in its place is renamed aside."""
     dfd = open_dir(root)
     try:
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             return
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
             return
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"
         if stat.S_ISREG(st.st_mode):

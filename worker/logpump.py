@@ -27,8 +27,8 @@ def cut_marker(max_bytes: int) -> bytes:
 
 
 def open_log(path: Path) -> int:
-    """The job log for appending: only a regular file of the worker's own with one name
-    (a link, another user's file or a second name of a file: OSError)."""
+    """The job log for appending: only a regular file of the worker's own (a link or
+    another user's file: OSError)."""
     return beneath.open_owned(path.parent, path.name, os.O_WRONLY | os.O_APPEND)
 
 
