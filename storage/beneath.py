@@ -46,6 +46,7 @@ __all__ = [
     "open_file",
     "read_file",
     "remove",
+    "rename_over",
     "replace_file",
 ]
 
@@ -261,14 +262,20 @@ def replace_file(root: Path | int, rel: str | Path, data: bytes, mode: int = 0o6
             _write_all(fd, data)
         finally:
             os.close(fd)
-        try:
-            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dfd)
-            raise
+        rename_over(dfd, tmp, name)
     finally:
         os.close(dfd)
+
+
+def rename_over(dir_fd: int, tmp: str, name: str) -> None:
+    """Rename `tmp` over `name` within one folder (by descriptor); the temporary file is
+    removed when the rename fails."""
+    try:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def append_owned(root: Path | int, rel: str | Path, data: bytes) -> None:

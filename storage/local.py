@@ -291,12 +291,7 @@ class LocalStorage(Storage):
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=folder)
                     raise
-            try:
-                os.rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=folder)
-                raise
+            beneath.rename_over(folder, tmp, name)
             os.fsync(folder)
         finally:
             os.close(folder)
