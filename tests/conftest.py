@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from seaweed import Seaweed, SeaweedError, start_seaweed
 
-# `--timing-report PATH`: seconds per module and per fixture setup (tests/support/timing.py).
-pytest_plugins = ["support.timing"]
+# `--timing-report PATH`: seconds per module and per fixture setup (tests/support/timing.py);
+# the database backends each test runs on (tests/support/backends.py).
+pytest_plugins = ["support.timing", "support.backends"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get(

@@ -30,6 +30,8 @@ from torchyard.store.db import session_scope
 from torchyard.store.models import AuditEntry, Job, Sweep
 from torchyard.store.projects import create_project, project_named, set_member
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 Headers = dict[str, str]
 ENTRY_KEYS = {"id", "time", "user", "action", "target", "details", "client"}
 SWEEP: dict[str, Any] = {

@@ -27,6 +27,8 @@ from torchyard.store.metrics import ingest_metrics
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import follow_bench
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 # SQL statements of one feed poll: the job's state, metrics, checkpoints and job events
 # (+ the BEGIN of SQLite's deferred read transaction).
 POLL_STATEMENTS = 5

@@ -30,6 +30,8 @@ from torchyard.store.metrics import ingest_metrics
 from torchyard.store.paths import job_dir
 from torchyard.store.workers import heartbeat
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 BIG = 16 * 1024 * 1024  # far more than loopback socket buffers: the server must block
 
 

@@ -37,6 +37,8 @@ from torchyard.store.paths import LOG_FILE, job_dir
 from torchyard.store.projects import create_project, set_member
 from torchyard.store.uijobs import changes_since, changes_start
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 Headers = dict[str, str]
 
 

@@ -16,6 +16,8 @@ from torchyard_testdb import Factory
 from torchyard.store.db import session_scope
 from torchyard.store.metrics import ingest_metrics
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 N = 50_000
 SPIKES = {123: 400.0, 10_007: 250.0, 17_001: -90.0, 40_960: 777.0, 49_999: 3.5}
 

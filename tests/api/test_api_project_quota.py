@@ -17,6 +17,8 @@ from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import AuditEntry, Job
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 Headers = dict[str, str]
 QUOTA = "/v1/projects/{}/quota"
 UNLIMITED = {"max_workers": None, "max_queued": None, "share": 1.0}

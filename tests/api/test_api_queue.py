@@ -14,6 +14,8 @@ from torchyard_testdb import SPEC, Factory
 from torchyard.store.models import utcnow
 from torchyard.store.states import SUCCEEDED
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 HALF_LIFE_S = 86_400.0  # Settings' default, which the fixtures keep
 
 

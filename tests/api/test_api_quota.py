@@ -14,6 +14,8 @@ from torchyard.store.db import session_scope
 from torchyard.store.models import Job
 from torchyard.store.states import STARTING
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 QUOTA = "/v1/users/{}/quota"
 UNLIMITED = {"max_workers": None, "max_queued": None, "share": 1.0, "max_priority": 0}
 

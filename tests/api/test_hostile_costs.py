@@ -25,12 +25,9 @@ from torchyard.store.db import session_scope
 from torchyard.store.ingest import write_points
 from torchyard.store.paths import LOG_FILE, job_dir
 
+pytestmark = pytest.mark.hostile
 # The attacks are on the API's threads, not on the store: on PostgreSQL only (the deployment's).
-pytestmark = [
-    pytest.mark.hostile,
-    pytest.mark.parametrize("db_url", [pytest.param("postgres", marks=pytest.mark.postgres)],
-                            indirect=True),
-]  # fmt: skip
+DB_BACKENDS = ("postgres",)
 GET_MAX_S = 0.5
 IMAGES = {"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "size": 64}
 

@@ -23,6 +23,8 @@ from torchyard.store.states import RUNNING, transition
 from torchyard.store.usage import usage_by_user
 from torchyard.store.workers import reap_stale_workers
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 TIMEOUT = 10.0
 HOUR = 3600.0
 

@@ -18,6 +18,8 @@ from torchyard.store.models import Attempt, Job, Project, utcnow
 from torchyard.store.projects import ensure_personal
 from torchyard.store.states import RUNNING, transition
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 TIMEOUT = 10.0
 HOUR = 3600.0
 

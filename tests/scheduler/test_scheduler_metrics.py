@@ -21,6 +21,8 @@ from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import Assignment, Attempt, Worker, utcnow
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 class _Sent(Scheduler):
     """Messages caught instead of sent."""

@@ -41,6 +41,8 @@ from torchyard.store.workers import (
     release_worker,
 )
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 TIMEOUT = 10.0
 
 

@@ -13,6 +13,8 @@ from torchyard.settings import Settings
 from torchyard.store import sandboxuids
 from torchyard.store.sandboxuids import NoSandboxUid, allocate, sandbox_uid
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 def test_a_users_uid_is_given_once_and_kept(factory: Factory, settings: Settings) -> None:
     alice, bob = factory.user_id("alice"), factory.user_id("bob")

@@ -16,15 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 from sqlalchemy import text
+from support.backends import only
 
 from torchyard.store import migrate
 from torchyard.store.db import make_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 OLDER = "0015"  # a revision some releases ago: the schema an older image left
-PG_ONLY = pytest.mark.parametrize(
-    "empty_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+PG_ONLY = only("postgres")  # PostgreSQL's advisory lock
 
 
 def _env(url: str, tmp_path: Path, **more: str) -> dict[str, str]:

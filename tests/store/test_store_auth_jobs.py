@@ -14,6 +14,8 @@ from torchyard.store.auth import TOKEN_PREFIX, create_token, hash_token, user_fo
 from torchyard.store.models import ApiToken, JobEvent
 from torchyard.store.states import IllegalTransition
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 def test_tokens_are_stored_hashed(session: Session) -> None:
     token = create_token(session, "alice")

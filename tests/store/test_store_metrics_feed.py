@@ -24,6 +24,8 @@ from torchyard.store.metrics import (
 )
 from torchyard.store.models import Metric, MetricBlock
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 def _check_buckets(points: dict[int, float], after: int, max_points: int, series: dict) -> None:
     """Every input point lies in exactly one bucket (between two returned steps), and each

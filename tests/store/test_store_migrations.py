@@ -14,6 +14,8 @@ from torchyard.store import migrate
 from torchyard.store.db import make_engine
 from torchyard.store.models import Base
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 def _diff(url: str) -> list[object]:
     engine = make_engine(url)

@@ -38,6 +38,8 @@ from torchyard.store.sweeps import (
     sweep_view,
 )
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 LR_GRID: dict[str, Any] = {"optimizer.lr": {"type": "categorical", "choices": [0.1, 0.01, 0.001]}}
 
 

@@ -36,6 +36,8 @@ from torchyard.store.webhooks import (
     retry_delay,
 )
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 def _hook(url: str, owner: int, events: list[str], project: int | None = None) -> str:
     with session_scope(url) as s:

@@ -1,7 +1,8 @@
-"""Database fixtures for the store and API tests: every test runs against SQLite and,
-where reachable (always under CI), PostgreSQL. The schema is made by the migrations
-(store.migrate.upgrade), once per session: SQLite tests copy a migrated template file,
-PostgreSQL tests truncate every table of one migrated database."""
+"""Database fixtures for the store and API tests, on the backend `db_backend` names: SQLite,
+or PostgreSQL where reachable (always under CI); a module runs on one backend unless it
+declares both (tests/support/backends.py, tests/BACKENDS.md). The schema is made by the
+migrations (store.migrate.upgrade), once per session: SQLite tests copy a migrated template
+file, PostgreSQL tests truncate every table of one migrated database."""
 
 from __future__ import annotations
 
@@ -34,8 +35,6 @@ from torchyard.store.states import (
     SUCCEEDED,
     transition,
 )
-
-BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 SPEC: dict[str, Any] = synthetic_spec()
 
@@ -87,10 +86,10 @@ def sqlite_copy(template: Path, tmp_path: Path) -> Iterator[str]:
             engine.dispose()
 
 
-@pytest.fixture(params=BACKENDS)
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A migrated, empty database of each backend."""
-    if request.param == "sqlite":
+@pytest.fixture
+def db_url(db_backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A migrated, empty database on the test's backend."""
+    if db_backend == "sqlite":
         with sqlite_copy(request.getfixturevalue("sqlite_template"), tmp_path) as url:
             yield url
     else:
@@ -190,10 +189,10 @@ def factory(db_url: str) -> Factory:
     return Factory(db_url)
 
 
-@pytest.fixture(params=BACKENDS)
-def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+@pytest.fixture
+def empty_url(db_backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A database nobody has migrated yet (its own PostgreSQL database, dropped after)."""
-    if request.param == "sqlite":
+    if db_backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'empty.db'}"
         return
     base: str = request.getfixturevalue("pg_url")

@@ -21,6 +21,8 @@ from torchyard.store.models import Attempt, Checkpoint, Job, Metric, MetricBlock
 from torchyard.store.states import A_LOST
 from torchyard.worker.events import EventRecorder, EventTail
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 def _line(**ev: object) -> bytes:
     return (json.dumps(ev) + "\n").encode()

@@ -47,6 +47,8 @@ from torchyard.worker.supervisor import (
 )
 from torchyard.worker.watchdog import Watchdog
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 
 def _settings(db_url: str, tmp_path: Path, **kw: Any) -> Settings:
     return Settings(_env_file=None, database_url=db_url, home=tmp_path, **kw)  # type: ignore[call-arg]

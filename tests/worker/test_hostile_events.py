@@ -42,6 +42,8 @@ from torchyard.worker.runlimits import dir_bytes, run_dir_over
 from torchyard.worker.supervisor import WorkerContext, run_assignment
 from torchyard.worker.watchdog import Watchdog
 
+DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
+
 pytestmark = pytest.mark.hostile
 CPU = Device("cpu", None, "cpu", None)
 

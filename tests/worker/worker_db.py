@@ -27,9 +27,11 @@ def pg_fresh_url(pg_url: str) -> Iterator[str]:
     drop_pg_databases(make)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "sqlite":
+@pytest.fixture
+def db_url(db_backend: str, request: pytest.FixtureRequest) -> str:
+    """A fresh migrated database on the test's backend (tests/support/backends.py: one,
+    unless the module declares both)."""
+    if db_backend == "sqlite":
         return request.getfixturevalue("sqlite_url")
     return request.getfixturevalue("pg_fresh_url")
 
