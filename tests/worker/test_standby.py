@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from proclib import assert_dies_with_parent
 from sqlalchemy import select
-from worker_factories import DIGITS_SPEC, make_job, make_user, make_worker
+from worker_factories import DIGITS_SPEC, make_job, make_worker, warm_for
 
 from torchyard.contracts import exitcodes
 from torchyard.scheduler.cycle import schedule
@@ -26,7 +26,6 @@ from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import Assignment, Attempt, Job
 from torchyard.store.paths import EVENTS_FILE, LOG_FILE, job_dir
-from torchyard.store.sandboxuids import sandbox_uid
 from torchyard.worker.identity import Device
 from torchyard.worker.launch_local import signal_group, spawn
 from torchyard.worker.launcher import Launcher, choose_launcher
@@ -93,10 +92,7 @@ def test_a_job_on_the_warm_trainer_ends_exactly_as_on_a_cold_one(
     settings = _settings(sqlite_url, tmp_path)
     warm = _warm(settings)
     launcher = choose_launcher(settings, warm)  # before the standby starts: it says how
-    if hasattr(launcher, "_next"):  # a sandbox's zygote serves one user: the job's, as on
-        with session_scope(sqlite_url) as s:  # a slot whose last job was alice's
-            owner = make_user(s, "alice").id
-        launcher._next = (sandbox_uid(settings, owner), owner)
+    warm_for(launcher, settings, sqlite_url)  # a zygote serves one user: the job's
     warm.refill()
     assert warm.proc is not None
     standby_pid = warm.proc.pid

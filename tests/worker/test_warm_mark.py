@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import select
-from worker_factories import DIGITS_SPEC, make_job
+from worker_factories import DIGITS_SPEC, make_job, warm_for
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.settings import Settings
@@ -154,6 +154,7 @@ def test_the_mark_follows_the_standby_and_the_job_goes_to_the_warm_worker(
     warm = node.ctx.warm
     assert warm is not None
     cold.register()
+    warm_for(node.ctx.launcher, node.ctx.settings, url)  # a zygote serves the job's user
     warm.refill()  # as run() does: on the main thread, then register, then the threads
     node.register()
     hb = threading.Thread(target=node._heartbeat_loop, daemon=True)

@@ -16,8 +16,10 @@ from specs import digits_spec
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from torchyard.store.db import dispose_engines
+from torchyard.settings import Settings
+from torchyard.store.db import dispose_engines, session_scope
 from torchyard.store.models import Job, User, Worker, utcnow
+from torchyard.store.sandboxuids import sandbox_uid
 
 DIGITS_SPEC: dict[str, Any] = digits_spec()
 
@@ -164,3 +166,13 @@ def make_worker(
     s.add(w)
     s.flush()
     return w
+
+
+def warm_for(launcher: object, settings: Settings, db_url: str, owner: str = "alice") -> None:
+    """A sandbox slot's next zygote serves `owner`, as on a slot whose last job was theirs
+    (a zygote runs one user's uid: worker/launch_sandbox.py). Other launchers: nothing."""
+    if not hasattr(launcher, "_next"):
+        return
+    with session_scope(db_url) as s:
+        user_id = make_user(s, owner).id
+    launcher._next = (sandbox_uid(settings, user_id), user_id)
