@@ -14,8 +14,9 @@ import pytest
 from seaweed import Seaweed, SeaweedError, start_seaweed
 
 # `--timing-report PATH`: seconds per module and per fixture setup (tests/support/timing.py);
-# the database backends each test runs on (tests/support/backends.py).
-pytest_plugins = ["support.timing", "support.backends"]
+# the database backends each test runs on (tests/support/backends.py); `-m fast`, the
+# inner loop's lane (tests/support/lanes.py).
+pytest_plugins = ["support.timing", "support.backends", "support.lanes"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get(
