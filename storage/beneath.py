@@ -142,9 +142,11 @@ def _open_at(root: Path | int, rel: str | Path, flags: int, mode: int = 0o600) -
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EXDEV):  # a link (or `..`) somewhere on the way
                 raise _refused(where) from None
-            if e.errno != errno.ENOTDIR:
+            if e.errno not in (errno.ENOTDIR, errno.EAGAIN):
                 raise
-            fd = None  # a link where a folder was asked for: the walk tells which it is
+            # A link where a folder was asked for (the walk tells which it is), or a rename
+            # raced the lookup (openat2 asks for a retry): the walk decides.
+            fd = None
         if fd is not None:
             return fd
         return _walk(root_fd, parts, flags, mode, where)
