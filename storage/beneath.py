@@ -44,6 +44,7 @@ __all__ = [
     "link_tree",
     "open_dir",
     "open_file",
+    "open_regular_rw",
     "read_file",
     "remove",
     "rename_over",
@@ -339,6 +340,18 @@ def claim_owned(root: Path | int, name: str) -> None:
                       dst_dir_fd=dfd)  # fmt: skip
     finally:
         os.close(dfd)
+
+
+def open_regular_rw(root: Path | int, rel: str | Path, flags: int, mode: int = 0o644) -> int:
+    """`root/rel` opened with `flags | O_CREAT` whoever owns it (a file the job wrote, to cut
+    or extend), reached through no link and only if it is a regular file (FileNotFoundError
+    for a FIFO or a folder; the caller closes it)."""
+    fd = _open_at(root, rel, flags | os.O_CREAT | os.O_NONBLOCK | _CLOEXEC, mode)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileNotFoundError(f"{rel}: not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def remove(root: Path | int, rel: str | Path) -> bool:

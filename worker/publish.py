@@ -330,8 +330,8 @@ def align_events(events: Path, attempt: int, recorded: int) -> None:
     previous = _read_marker(marker)
     if previous != attempt - 1:
         events.parent.mkdir(parents=True, exist_ok=True)
-        beneath.remove(events.parent, events.name)  # the trainer's file: a fresh one of ours
-        fd = beneath.open_owned(events.parent, events.name, os.O_WRONLY)
+        # The trainer's own file, its recorded bytes kept: cut or extended, never a link.
+        fd = beneath.open_regular_rw(events.parent, events.name, os.O_WRONLY)
         try:
             os.ftruncate(fd, recorded)
             if recorded:  # its last line ended: nothing glues onto the recorded bytes

@@ -263,9 +263,13 @@ def test_a_new_host_continues_the_record_and_a_stale_file_is_cut(tmp_path: Path)
         f.write(b'{"type": "metric"}\n')
     align_events(events, attempt=3, recorded=5000)
     assert events.stat().st_size == 5000 + 19
-    # Attempt 5 here after attempt 4 ran elsewhere: what lies past the record is stale.
+    # Attempt 5 here after attempt 4 ran elsewhere: what lies past the record is stale,
+    # what lies before it is the record and is kept (the checks read it back).
+    with open(events, "r+b") as f:
+        f.write(b'{"type": "metric", "step": 1}\n')
     align_events(events, attempt=5, recorded=4000)
     assert events.stat().st_size == 4000
+    assert events.read_bytes().startswith(b'{"type": "metric", "step": 1}\n')
 
 
 def test_the_upload_thread_runs_at_a_lower_cpu_priority(store: Flaky, cache: Path) -> None:
