@@ -1,4 +1,4 @@
-"""What the benches share: the repository root on sys.path, tiny specs, percentiles, a
+"""What the benches share: the repository root and tests/ on sys.path, tiny specs, percentiles, a
 throw-away PostgreSQL database and `torchyard api` started as a process on a free port."""
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The repository root, then tests/ (the helpers a bench shares with the tests, imported as
+# `support.…`, `seaweed`), as pyproject's pytest pythonpath has them.
+for _path in (ROOT / "tests", ROOT):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from sqlalchemy import create_engine, text  # noqa: E402
 

@@ -5,7 +5,7 @@ local-disk checkpoints, side by side in one run.
     .venv/bin/python bench/checkpoint_overhead_bench.py [--repeat 3] [--steps 400]
         [--hidden 2048,2048] [--batch-size 64] [--every 50] [--store-nice 19] [--pin-trainer]
 
-Starts one SeaweedFS (tests/seaweed.py) and two clusters (tests/worker/worker_cluster.py:
+Starts one SeaweedFS (tests/seaweed.py) and two clusters (tests/support/worker_cluster.py:
 `torchyard api`, `torchyard scheduler` and one CPU worker each, SQLite + the filesystem
 broker): one with the file backend (the default), one with TORCHYARD_STORAGE_URL=s3://… on
 that SeaweedFS, where the worker uploads each checkpoint in a thread (worker/publish.py)
@@ -56,16 +56,11 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
+from seaweed import start_seaweed
+from sqlalchemy import select
+from support.worker_cluster import Cluster, wait_for
 
-for extra in (benchlib.ROOT / "tests", benchlib.ROOT / "tests" / "worker"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
-
-from seaweed import start_seaweed  # noqa: E402
-from sqlalchemy import select  # noqa: E402
-from worker_cluster import Cluster, wait_for  # noqa: E402
-
-from torchyard.store.models import Worker  # noqa: E402
+from torchyard.store.models import Worker
 
 LOG_EVERY = 10
 SERVICES = {

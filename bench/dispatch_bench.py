@@ -29,11 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
-
-sys.path.insert(0, str(benchlib.ROOT / "tests" / "worker"))
-
 from sqlalchemy import create_engine, func, select, text
-from worker_cluster import Cluster, wait_for
+from support.worker_cluster import Cluster, wait_for
 
 from torchyard.store.models import Attempt, Metric
 

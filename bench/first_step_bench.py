@@ -28,10 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
-
-sys.path.insert(0, str(benchlib.ROOT / "tests" / "worker"))
-
-from worker_cluster import Cluster
+from support.worker_cluster import Cluster
 
 from torchyard.store.paths import EVENTS_FILE, job_dir
 

@@ -37,10 +37,6 @@ from typing import Any
 
 import benchlib
 import httpx
-
-if str(benchlib.ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(benchlib.ROOT / "tests"))
-
 from seaweed import Seaweed, start_seaweed
 
 from torchyard.storage import job_key

@@ -63,10 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
-
-sys.path.insert(0, str(benchlib.ROOT / "tests" / "worker"))
-
-from worker_cluster import Cluster, wait_for
+from support.worker_cluster import Cluster, wait_for
 
 from torchyard.client.sdk import Client
 from torchyard.contracts.rungs import verdict_file

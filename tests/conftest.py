@@ -14,9 +14,10 @@ import pytest
 from seaweed import Seaweed, SeaweedError, start_seaweed
 
 # `--timing-report PATH`: seconds per module and per fixture setup (tests/support/timing.py);
-# the database backends each test runs on (tests/support/backends.py); `-m fast`, the
-# inner loop's lane (tests/support/lanes.py).
-pytest_plugins = ["support.timing", "support.backends", "support.lanes"]
+# the database backends each test runs on (tests/support/backends.py) and the database
+# fixtures on them, one stack for every suite (tests/support/db.py); `-m fast`, the inner
+# loop's lane (tests/support/lanes.py).
+pytest_plugins = ["support.timing", "support.backends", "support.db", "support.lanes"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get(

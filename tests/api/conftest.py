@@ -1,30 +1,15 @@
-"""API fixtures: an app on each database backend, a client, tokens."""
+"""API fixtures: an app on the test's database (tests/support/db.py), a client, tokens."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from support.db import Factory
 
 from torchyard.api.app import create_app
 from torchyard.settings import Settings
-
-# The database fixtures live beside the store tests; both suites share them.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))
-
-import torchyard_testdb as _db
-from torchyard_testdb import Factory
-
-# The shared database fixtures (re-exported so pytest finds them here).
-db_url = _db.db_url
-factory = _db.factory
-pg_migrated = _db.pg_migrated
-session = _db.session
-settings = _db.settings
-sqlite_template = _db.sqlite_template
 
 
 @pytest.fixture

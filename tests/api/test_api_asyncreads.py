@@ -5,13 +5,12 @@ restart better than the sync path: no 503 once the server is back."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from torchyard_testdb import Factory, _truncate
+from support.db import Factory, empty_postgres
+from support.services import PrivatePostgres
 
 from torchyard.store.asyncreads import AsyncReads
 from torchyard.store.db import session_scope
@@ -20,15 +19,12 @@ from torchyard.store.metrics import ingest_metrics
 from torchyard.store.migrate import upgrade
 from torchyard.store.states import RUNNING, SUCCEEDED
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "chaos"))
-from services import PrivatePostgres
-
 
 @pytest.fixture
-def pg(pg_migrated: str) -> Iterator[str]:
-    """The shared migrated PostgreSQL database, emptied afterwards (as db_url's is)."""
-    yield pg_migrated
-    _truncate(pg_migrated)
+def pg(pg_migrated: str) -> str:
+    """The shared migrated PostgreSQL database, emptied first (as db_url's is)."""
+    empty_postgres(pg_migrated)
+    return pg_migrated
 
 
 @pytest.mark.postgres

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from proclib import tar_gz
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 from torchyard.client.bundle import pack
 from torchyard.settings import Settings

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 from sqlalchemy import event, update
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.store.asyncreads import _compiled
 from torchyard.store.db import session_scope

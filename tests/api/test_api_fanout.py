@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,8 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
-from torchyard_testdb import Factory
+from support.db import Factory
+from support.follow import measure  # bench/follow_bench.py's too: both measure one thing
 
 from torchyard.api.deps import TOKEN_CACHE_TTL_S
 from torchyard.api.fanout import FeedFailed, FeedHub, read_page
@@ -22,10 +22,6 @@ from torchyard.api.streams import RECHECK_S
 from torchyard.store.db import make_engine, session_scope
 from torchyard.store.feed import FeedCursor
 from torchyard.store.metrics import ingest_metrics
-
-# The benchmark's own measurement, so the test and the bench measure one thing.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import follow_bench
 
 DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
 
@@ -43,7 +39,7 @@ CONNECT_STATEMENTS = 4
 def test_followers_share_one_store_poll_per_tick(app: FastAPI, db_url: str) -> None:
     followers, rate, seconds = 20, 40.0, 1.0
     app.state.feed_poll_s = 0.05
-    r = asyncio.run(follow_bench.measure(app, db_url, followers, rate, seconds))
+    r = asyncio.run(measure(app, db_url, followers, rate, seconds))
     assert r.fed == 40
     # every follower saw every event: its status (no log, no pending reason: one), 4
     # states (queued, starting, running, succeeded), each point, then `end`, with the

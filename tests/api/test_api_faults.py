@@ -17,9 +17,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from liveserver import live_server
 from sqlalchemy.orm import sessionmaker
-from torchyard_testdb import Factory
+from support.db import Factory
+from support.liveserver import live_server
 
 from torchyard.api.app import SHED_WAITING_PER_THREAD, create_app
 from torchyard.settings import Settings

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.settings import Settings
 from torchyard.store.checkpoints import record_checkpoint

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 from torchyard.settings import Settings
 from torchyard.storage.memory import MemoryStorage

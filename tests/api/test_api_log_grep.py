@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 import torchyard.api.loggrep as loggrep
 from torchyard.settings import Settings

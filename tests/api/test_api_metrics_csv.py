@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 import torchyard.api.metricscsv as metricscsv
 from torchyard.store.db import session_scope

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.store.db import session_scope
 from torchyard.store.metrics import ingest_metrics

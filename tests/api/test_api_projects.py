@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
-from torchyard_testdb import _PATHS, SPEC, Factory
+from support.db import SPEC, STATE_PATHS, Factory
 
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import Viewer, get_job
@@ -57,7 +57,7 @@ class Team:
             with session_scope(self.factory.url) as s:
                 found = get_job(s, Viewer(0, True), job_id)
                 assert found is not None
-                for to in _PATHS[state]:
+                for to in STATE_PATHS[state]:
                     transition(s, found[0], to, reason="test")
         return job_id
 

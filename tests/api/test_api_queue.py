@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 from torchyard.store.models import utcnow
 from torchyard.store.states import SUCCEEDED

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 from torchyard.store.db import session_scope
 from torchyard.store.models import Job

@@ -8,7 +8,7 @@ import copy
 from typing import Any
 
 from fastapi.testclient import TestClient
-from torchyard_testdb import SPEC
+from support.db import SPEC
 
 
 def _jobs(client: TestClient, headers: dict[str, str]) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 DIGITS = {
     "model": {"name": "mlp"},

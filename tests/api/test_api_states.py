@@ -4,7 +4,7 @@ with the enums in OpenAPI and still serialise as plain names."""
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.api.schemas import AttemptOut, JobSummary, WorkerOut
 from torchyard.contracts.states import AttemptState, JobState, WorkerState, state_lists

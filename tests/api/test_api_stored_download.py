@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from liveserver import live_server
-from torchyard_testdb import Factory
+from support.db import Factory
+from support.liveserver import live_server
 
 import torchyard.api.routers.checkpoints as route
 from torchyard.api import files

@@ -13,7 +13,7 @@ import time
 import anyio
 import httpx
 import pytest
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.api import deps
 from torchyard.api.app import create_app

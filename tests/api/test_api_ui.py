@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import update
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.api.deps import CSRF_HEADER, SESSION_COOKIE
 from torchyard.api.routers.ui import CSP
@@ -196,7 +196,7 @@ def test_jobs_table(
 
 
 def _spec() -> dict[str, Any]:
-    from torchyard_testdb import SPEC
+    from support.db import SPEC
 
     return dict(SPEC)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.store.db import session_scope
 from torchyard.store.models import AuditEntry, WebhookDelivery

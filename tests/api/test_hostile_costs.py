@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from liveserver import live_server
-from torchyard_testdb import SPEC
+from support.db import SPEC
+from support.liveserver import live_server
 
 from torchyard.api.app import create_app
 from torchyard.api.cli import freeze_startup_heap

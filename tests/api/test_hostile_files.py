@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.api.fanout import stored_log_size
 from torchyard.api.routers import checkpoints as checkpoints_route

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.responses import HTMLResponse
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.api.app import create_app
 from torchyard.api.routers.ui import CSP

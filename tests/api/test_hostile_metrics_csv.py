@@ -12,7 +12,7 @@ import io
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.client.cmd_results import write_csv
 from torchyard.store.db import session_scope

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from liveserver import live_server
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
+from support.liveserver import live_server
 
 from torchyard.api.app import create_app
 from torchyard.api.deps import CSRF_HEADER, TokenCache

@@ -10,8 +10,8 @@ import test_sso
 from fastapi.testclient import TestClient
 from oidc_provider import USERS, OidcProvider
 from sqlalchemy import select
+from support.db import Factory
 from test_sso import refused, sign_in
-from torchyard_testdb import Factory
 
 from torchyard.store.db import session_scope
 from torchyard.store.models import ApiToken, User, UserIdentity

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.settings import Settings
 from torchyard.store.db import session_scope

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.scheduler.notify import Notifier
 from torchyard.settings import Settings

@@ -28,7 +28,7 @@ from oidc_provider import (
     start_provider,
 )
 from sqlalchemy import select, update
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.api import oidc
 from torchyard.api.app import create_app

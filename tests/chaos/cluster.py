@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 from netns import SecondHost
 from seaweed import Seaweed
-from services import PrivatePostgres, PrivateRedis
-from worker_cluster import ROOT, Cluster, wait_for
+from support.services import PrivatePostgres, PrivateRedis
+from support.worker_cluster import ROOT, Cluster, wait_for
 
 from torchyard.storage import Storage
 

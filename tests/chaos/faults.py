@@ -240,6 +240,6 @@ def describe_processes(pids: list[int]) -> list[str]:
 
 def leftover_trainers(caches: list[Path]) -> list[int]:
     """Trainers (not idle standbys) still running in a run directory of any host."""
-    from worker_cluster import processes_mentioning
+    from support.worker_cluster import processes_mentioning
 
     return sorted({p for c in caches for p in processes_mentioning(str(c), standbys=False)})

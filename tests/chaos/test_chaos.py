@@ -33,19 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "worker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scheduler"))
-
 from cluster import REMOTE, ChaosCluster
 from faults import Injector, describe_processes, leftover_trainers
 from invariants import check, notification_problems
 from netns import SecondHost
 from seaweed import Seaweed, SeaweedError, start_seaweed
-from services import PrivatePostgres, PrivateRedis, missing_tools
-from webhook_receiver import Receiver, receiver
-from worker_cluster import ROOT, checkpointed_and_running, wait_for
+from support.services import PrivatePostgres, PrivateRedis, missing_tools
+from support.webhook_receiver import Receiver, receiver
+from support.worker_cluster import ROOT, checkpointed_and_running, wait_for
 
 pytestmark = pytest.mark.chaos
 

@@ -5,10 +5,7 @@ with an object missing or not the bytes recorded; events read from several hosts
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from invariants import (
     CheckpointRow,

@@ -5,17 +5,12 @@ Uses a private PostgreSQL (initdb/pg_ctl), never the shared one."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "worker"))
-
-from services import PrivatePostgres, pg_bin
-from worker_cluster import Cluster
+from support.services import PrivatePostgres, pg_bin
+from support.worker_cluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

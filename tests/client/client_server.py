@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 from specs import synthetic_spec
 from sqlalchemy import select, update
+from support.db import Factory
 
 from torchyard.settings import Settings
 from torchyard.store.checkpoints import record_checkpoint
@@ -23,13 +22,8 @@ from torchyard.store.metrics import ingest_metrics
 from torchyard.store.models import Job
 from torchyard.store.paths import job_dir
 
-# The database fixtures live beside the store tests.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))
-
-from torchyard_testdb import Factory, sqlite_template
-
 BLOB = b"PK\x03\x04" + bytes(range(256)) * 64  # a torch.save zip, as far as the client sees
-__all__ = ["BLOB", "SPEC", "STEPS", "Recorder", "Run", "Store", "sqlite_template"]
+__all__ = ["BLOB", "SPEC", "STEPS", "Recorder", "Run", "Store"]
 STEPS = 4
 SPEC: dict[str, Any] = synthetic_spec(name="t")
 

@@ -9,18 +9,15 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import client_server
 import pytest
-import torchyard_testdb
 from client_server import Run, Store
 from fastapi.testclient import TestClient
+from support.db import sqlite_copy
 
 from torchyard.api.app import create_app
 from torchyard.client.cli import main
 from torchyard.client.sdk import Client
 from torchyard.settings import Settings
-
-sqlite_template = client_server.sqlite_template  # the migrated schema, copied per test
 
 
 @pytest.fixture(autouse=True)
@@ -36,11 +33,10 @@ def _own_login_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def db_url(sqlite_template: Path, tmp_path: Path) -> Iterator[str]:
-    with torchyard_testdb.sqlite_copy(sqlite_template, tmp_path) as url:
+    """SQLite always (no `db_backend`): a copy of the migrated template (tests/support/db.py,
+    whose `settings` stands on this)."""
+    with sqlite_copy(sqlite_template, tmp_path) as url:
         yield url
-
-
-settings = torchyard_testdb.settings
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 from fastapi.testclient import TestClient
 from oidc_provider import CLIENT_ID, CLIENT_SECRET, USERS, OidcProvider, start_provider
+from support.liveserver import live_server
 
 from torchyard.api.app import create_app
 from torchyard.api.routers import sso as sso_routes
@@ -29,9 +30,6 @@ from torchyard.client.cli import main
 from torchyard.client.errors import APIError
 from torchyard.client.sdk import Client
 from torchyard.settings import Settings
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "api"))
-from liveserver import live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from services import PrivatePostgres, PrivateRedis, missing_tools
 from slurmlib import KILL_WAIT_S, SlurmCluster, missing
-from worker_cluster import (
+from support.services import PrivatePostgres, PrivateRedis, missing_tools
+from support.worker_cluster import (
     ROOT,
     Cluster,
     checkpointed_and_running,

@@ -10,8 +10,8 @@ from datetime import datetime
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from support.worker_factories import make_job, make_user, make_worker
 from test_pool_scheduling import reason, run_pass, running
-from worker_factories import make_job, make_user, make_worker
 
 from torchyard.scheduler import preemption
 from torchyard.scheduler.policy import Pools

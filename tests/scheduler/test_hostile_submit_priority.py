@@ -8,29 +8,23 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from test_submit_paths import (  # the store's database fixtures and the API around them
+from support.db import SPEC, Factory
+from test_submit_paths import (  # the API's fixtures and the submit helpers
     SWEEP_BODY,
     Headers,
     alice,
     app,
     client,
-    db_url,
     error,
-    factory,
     failed_trial,
-    pg_migrated,
-    settings,
-    sqlite_template,
     stored_sweep,
 )
-from torchyard_testdb import SPEC, Factory
 
 from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.models import Job, Sweep
 
-__all__ = ["alice", "app", "client", "db_url", "factory", "pg_migrated", "settings",
-           "sqlite_template"]  # fmt: skip
+__all__ = ["alice", "app", "client"]
 pytestmark = pytest.mark.hostile
 QUOTA = "/v1/users/alice/quota"
 

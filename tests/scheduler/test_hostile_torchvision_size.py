@@ -10,27 +10,21 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from test_submit_paths import (  # the store's database fixtures and the API around them
+from support.db import SPEC
+from test_submit_paths import (  # the API's fixtures and the submit helpers
     SWEEP_BODY,
     Headers,
     alice,
     app,
     client,
-    db_url,
     error,
-    factory,
-    pg_migrated,
-    settings,
-    sqlite_template,
 )
-from torchyard_testdb import SPEC
 
 from torchyard.scheduler import modelsize
 from torchyard.store.db import session_scope
 from torchyard.store.models import Job, Sweep
 
-__all__ = ["alice", "app", "client", "db_url", "factory", "pg_migrated", "settings",
-           "sqlite_template"]  # fmt: skip
+__all__ = ["alice", "app", "client"]
 pytestmark = pytest.mark.hostile
 IMAGES = {"name": "synthetic", "shape": [3, 16, 16], "num_classes": 4, "size": 64}
 

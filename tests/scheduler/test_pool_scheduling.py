@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from worker_factories import make_job, make_user, make_worker
+from support.worker_factories import make_job, make_user, make_worker
 
 from torchyard.scheduler import preemption
 from torchyard.scheduler.cycle import PoolPolicy, schedule

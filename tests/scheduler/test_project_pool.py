@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from worker_factories import make_job, make_user, make_worker
+from support.worker_factories import make_job, make_user, make_worker
 
 from torchyard.api.views import owner_reason
 from torchyard.scheduler.cycle import PoolPolicy, queue_order, schedule

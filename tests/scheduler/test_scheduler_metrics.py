@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from promtext import Samples, labelled, parse, value
 from sqlalchemy import update
-from worker_factories import make_job, make_worker
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.metrics import StoreCollector, serve
 from torchyard.scheduler.process import Scheduler

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import update
-from worker_factories import make_job, make_worker
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.scheduler.process import Scheduler

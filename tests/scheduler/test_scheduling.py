@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
-from worker_factories import make_job, make_worker
+from support.backends import only
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.scheduler.policy import cluster_reason, kind_of, plan, plural
@@ -350,9 +351,9 @@ def _race(url: str, n_workers: int, n_jobs: int, schedulers: int) -> tuple[int, 
     return _check_no_double_assignment(url)
 
 
-@pytest.mark.postgres
-def test_two_schedulers_never_double_assign_on_postgres(pg_fresh_url: str) -> None:
-    busy, jobs = _race(pg_fresh_url, n_workers=24, n_jobs=60, schedulers=2)
+@only("postgres")
+def test_two_schedulers_never_double_assign_on_postgres(db_url: str) -> None:
+    busy, jobs = _race(db_url, n_workers=24, n_jobs=60, schedulers=2)
     assert busy == 24 or jobs == 60  # the pool is filled as far as the queue allows
     assert busy > 20
 

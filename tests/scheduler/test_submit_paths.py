@@ -6,20 +6,13 @@ run code, the priority rule, and the data set being on the server."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-
-# The database fixtures live beside the store tests; the API and store suites share them.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "store"))
-
-import torchyard_testdb as _db
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 from torchyard.api.app import create_app
 from torchyard.scheduler import submitchecks
@@ -29,13 +22,6 @@ from torchyard.settings import Settings
 from torchyard.store.db import session_scope
 from torchyard.store.jobs import Viewer
 from torchyard.store.sweeps import NewSweep, create_sweep, sweep_view
-
-# The store's database fixtures (here, not the worker ones tests/scheduler/conftest.py gives).
-db_url = _db.db_url
-factory = _db.factory
-pg_migrated = _db.pg_migrated
-settings = _db.settings
-sqlite_template = _db.sqlite_template
 
 Headers = dict[str, str]
 LR = {"optimizer.lr": {"type": "categorical", "choices": [0.1, 0.01, 0.001]}}

@@ -12,7 +12,7 @@ from datetime import timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import update
-from worker_factories import make_job, make_worker
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.scheduler.policy import Pools, kind_of, plan

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from webhook_receiver import receiver
-from worker_factories import make_job, make_user
+from support.webhook_receiver import receiver
+from support.worker_factories import make_job, make_user
 
 from torchyard.scheduler.notify import Notifier
 from torchyard.settings import Settings
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SECRET = "receiver-secret-0123456789"
 ALL = ["job.succeeded", "job.failed", "job.cancelled", "sweep.completed"]
 T = TypeVar("T")
-RECEIVER_NET = "127.0.0.1/32"  # webhook_receiver.py's address
+RECEIVER_NET = "127.0.0.1/32"  # support/webhook_receiver.py's address
 
 
 def _wait(cond: Callable[[], T], timeout: float, what: str) -> T:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torchyard_testdb import Factory
+from support.db import Factory
 
 import torchyard.worker.inputs as inputs
 from torchyard.settings import Settings

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.settings import Settings
 from torchyard.store import sandboxuids

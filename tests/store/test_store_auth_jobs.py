@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 from torchyard.store import jobs
 from torchyard.store.auth import TOKEN_PREFIX, create_token, hash_token, user_for_token

@@ -10,7 +10,7 @@ import random
 import pytest
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.store.checkpoints import record_checkpoint
 from torchyard.store.feed import BadFeedCursor, FeedCursor, poll

@@ -14,7 +14,7 @@ import optuna
 import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, select, text, update
-from torchyard_testdb import SPEC, Factory
+from support.db import SPEC, Factory
 
 from torchyard.contracts.rungs import RungVerdict
 from torchyard.scheduler import submit

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
-from torchyard_testdb import Factory
+from support.db import Factory
 
 from torchyard.store.db import session_scope
 from torchyard.store.models import Job, Sweep, WebhookAttempt, WebhookDelivery, utcnow

@@ -1,5 +1,7 @@
-"""Private PostgreSQL and Redis for the fault suite: started here, on free ports, stopped
-and restarted at will. The machine's shared instances are never touched."""
+"""Private PostgreSQL and Redis for the fault suite (tests/chaos) and the tests that stop
+a database under a reader (tests/api/test_api_asyncreads.py) or run a Slurm cluster
+(tests/deploy/test_slurm.py): started here, on free ports, stopped and restarted at will.
+The machine's shared instances are never touched."""
 
 from __future__ import annotations
 

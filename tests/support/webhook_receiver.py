@@ -1,8 +1,9 @@
-"""A real webhook receiver for the delivery tests: an `http.server` on a free port of
-127.0.0.1 in a thread, keeping every request (path, headers, body, arrival time). What it
-answers depends on the path: `/ok` 200; `/flaky` 500 to a delivery's first two tries, then
-200; `/hold` keeps the first request open for HOLD_S (the test kills the sender meanwhile),
-then 200 to everything; `/redirect` 302 to `/ok`."""
+"""A real webhook receiver for the delivery tests (tests/scheduler) and the fault suite's
+notifications (tests/chaos): an `http.server` on a free port of 127.0.0.1 in a thread,
+keeping every request (path, headers, body, arrival time). What it answers depends on the
+path: `/ok` 200; `/flaky` 500 to a delivery's first two tries, then 200; `/hold` keeps the
+first request open for HOLD_S (the test kills the sender meanwhile), then 200 to
+everything; `/redirect` 302 to `/ok`."""
 
 from __future__ import annotations
 

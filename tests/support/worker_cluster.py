@@ -395,7 +395,7 @@ def backend_cluster(
     if request.param == "embedded":
         c = Cluster(tmp, extra_env=extra_env)
     else:
-        from worker_factories import drop_pg_databases, new_pg_database
+        from support.db import drop_pg_databases, new_pg_database
 
         make = new_pg_database(request.getfixturevalue("pg_url"))
         request.addfinalizer(lambda: drop_pg_databases(make))
@@ -425,7 +425,7 @@ def s3_cluster(
     """A cluster on a fresh PostgreSQL database, the shared Redis and a fresh bucket of the
     session's SeaweedFS, with no worker yet (each test starts its "hosts": their own home
     and cache). Yields it and the object-store settings every host needs."""
-    from worker_factories import drop_pg_databases, new_pg_database
+    from support.db import drop_pg_databases, new_pg_database
 
     make = new_pg_database(request.getfixturevalue("pg_url"))
     request.addfinalizer(lambda: drop_pg_databases(make))

@@ -1,110 +1,20 @@
-"""Factories with keyword defaults for the worker tests."""
+"""Factories with keyword defaults for the worker and scheduler tests: rows written
+straight through a session (the store's own functions are support.db's Factory)."""
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import Callable
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from specs import digits_spec
-from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from torchyard.settings import Settings
-from torchyard.store.db import dispose_engines, session_scope
+from torchyard.store.db import session_scope
 from torchyard.store.models import Job, User, Worker, utcnow
 from torchyard.store.sandboxuids import sandbox_uid
 
 DIGITS_SPEC: dict[str, Any] = digits_spec()
-
-
-# The migrations run once per test process and backend: every fresh database after that
-# is a copy of a migrated template (a file copy for SQLite, PostgreSQL's CREATE DATABASE
-# … TEMPLATE), the same schema at a fraction of the cost of 18 migrations per test.
-_SQLITE_TEMPLATE: list[Path] = []
-_PG_TEMPLATES: dict[str, str] = {}  # admin URL -> its migrated template database
-
-
-def create_schema(url: str) -> None:
-    """Migrate the SQLite file or PostgreSQL database at `url` (an empty one)."""
-    from torchyard.store.migrate import upgrade
-
-    upgrade(url)
-
-
-def sqlite_schema(path: Path) -> str:
-    """A migrated SQLite database at `path` (a copy of the process's template): its URL."""
-    if not _SQLITE_TEMPLATE:
-        tmpl = Path(tempfile.mkdtemp(prefix="ty-schema-")) / "template.db"
-        url = f"sqlite:///{tmpl}"
-        create_schema(url)
-        dispose_engines()
-        atexit.register(shutil.rmtree, tmpl.parent, True)
-        _SQLITE_TEMPLATE.append(tmpl)
-    shutil.copyfile(_SQLITE_TEMPLATE[0], path)
-    return f"sqlite:///{path}"
-
-
-def _pg_template(admin_url: str) -> str:
-    """The name of this process's migrated template database on `admin_url`'s server."""
-    name = _PG_TEMPLATES.get(admin_url)
-    if name is None:
-        name = f"ty_tpl_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        eng = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-        with eng.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{name}"'))
-        eng.dispose()
-        create_schema(admin_url.rsplit("/", 1)[0] + f"/{name}")
-        dispose_engines()  # a template must have no connection while it is copied
-        atexit.register(_drop_pg, admin_url, name)
-        _PG_TEMPLATES[admin_url] = name
-    return name
-
-
-def _drop_pg(admin_url: str, name: str) -> None:
-    eng = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    try:
-        with eng.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        eng.dispose()
-
-
-def new_pg_database(pg_url: str) -> Callable[[], str]:
-    """Creates migrated databases next to the session's PostgreSQL database (copies of a
-    migrated template); dropped at exit."""
-    base = pg_url.rsplit("/", 1)[0]
-    admin_url = base + "/postgres"
-    made: list[str] = []
-
-    def make() -> str:
-        template = _pg_template(admin_url)
-        name = f"ty_worker_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        eng = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-        with eng.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
-        eng.dispose()
-        made.append(name)
-        return f"{base}/{name}"
-
-    make.made = made  # type: ignore[attr-defined]
-    make.admin_url = admin_url  # type: ignore[attr-defined]
-    return make
-
-
-def drop_pg_databases(make: Callable[[], str]) -> None:
-    dispose_engines()
-    eng = create_engine(make.admin_url, isolation_level="AUTOCOMMIT")  # type: ignore[attr-defined]
-    with eng.connect() as c:
-        for name in make.made:  # type: ignore[attr-defined]
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    eng.dispose()
 
 
 def make_user(s: Session, name: str = "alice") -> User:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "worker"))
-
 import pytest
-from worker_cluster import ROOT, Cluster, wait_for
+from support.worker_cluster import ROOT, Cluster, wait_for
 
 T = TypeVar("T")
 # A module's world runs on each: SQLite, and PostgreSQL where the shared server is up.
@@ -53,7 +50,7 @@ def backend_world(
     database on the shared server dropped after): an API over a cluster, seeded by `make`."""
     url = None
     if request.param == "postgres":
-        from worker_factories import drop_pg_databases, new_pg_database
+        from support.db import drop_pg_databases, new_pg_database
 
         new_db = new_pg_database(request.getfixturevalue("pg_url"))
         request.addfinalizer(lambda: drop_pg_databases(new_db))

@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlparse
 import pytest
 from dashboard_lib import BACKENDS, backend_world, login, token_for
 from seed import SPEC, finished_job, long_curve_job, loss_curve, many_jobs, user_id
-from worker_cluster import ROOT, Cluster
+from support.worker_cluster import ROOT, Cluster
 
 from torchyard.store.jobs import create_job
 from torchyard.store.metrics import ingest_metrics

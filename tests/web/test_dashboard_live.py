@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from dashboard_lib import login, token_for
-from worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
+from support.worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 

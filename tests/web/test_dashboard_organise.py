@@ -12,7 +12,7 @@ import httpx
 import pytest
 from dashboard_lib import BACKENDS, backend_world, login, token_for
 from seed import SPEC, finished_job, user_id
-from worker_cluster import Cluster, wait_for
+from support.worker_cluster import Cluster, wait_for
 
 from torchyard.contracts import spec as job_spec
 from torchyard.store.paths import LOG_FILE, job_dir

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from dashboard_lib import BACKENDS, start_api
 from oidc_provider import CLIENT_ID, CLIENT_SECRET, OidcProvider, start_provider
-from worker_cluster import Cluster
+from support.worker_cluster import Cluster
 
 pytestmark = pytest.mark.browser
 
@@ -26,7 +26,7 @@ class World:
 def world(request: Any, tmp_path_factory: Any) -> Iterator[World]:
     url = None
     if request.param == "postgres":
-        from worker_factories import drop_pg_databases, new_pg_database
+        from support.db import drop_pg_databases, new_pg_database
 
         new_db = new_pg_database(request.getfixturevalue("pg_url"))
         request.addfinalizer(lambda: drop_pg_databases(new_db))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from dashboard_lib import BACKENDS, backend_world, login, token_for
 from seed import SPEC, SeedTrial, sweep_study, sweep_trials
-from worker_cluster import Cluster
+from support.worker_cluster import Cluster
 
 from torchyard.store.models import Sweep
 from torchyard.store.sweeps import finish_sweep

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from dashboard_lib import BACKENDS, backend_world, login, token_for
 from seed import finished_job, user_id
-from worker_cluster import Cluster
+from support.worker_cluster import Cluster
 
 from torchyard.store.metrics import ingest_metrics
 

@@ -19,7 +19,7 @@ import torch
 from sklearn.datasets import load_digits
 from specs import digits_spec
 from sqlalchemy import select
-from worker_cluster import (
+from support.worker_cluster import (
     BACKENDS,
     Cluster,
     backend_cluster,

@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load as load_safetensors
-from worker_cluster import ROOT, Cluster
+from support.worker_cluster import ROOT, Cluster
 
 pytestmark = [
     pytest.mark.gpu,

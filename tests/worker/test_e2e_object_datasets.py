@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_cluster import Cluster, s3_cluster
+from support.worker_cluster import Cluster, s3_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.redis]
 

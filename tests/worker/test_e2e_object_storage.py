@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load
-from worker_cluster import (
+from support.worker_cluster import (
     Cluster,
     checkpointed_and_running,
     pid_alive,

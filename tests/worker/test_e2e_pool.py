@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from sqlalchemy import select
-from worker_cluster import (
+from support.worker_cluster import (
     BACKENDS,
     Cluster,
     backend_cluster,

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.db import drop_pg_databases, new_pg_database
+from support.worker_cluster import Cluster, free_port, wait_for
 from test_e2e import DIGITS, LONG
-from worker_cluster import Cluster, free_port, wait_for
-from worker_factories import drop_pg_databases, new_pg_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.postgres]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from specs import digits_spec
 from sqlalchemy import select, text
-from worker_cluster import Cluster, checkpointed_and_running, wait_for
+from support.worker_cluster import Cluster, checkpointed_and_running, wait_for
 
 from torchyard.store.migrate import head
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import func, select
-from worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
+from support.worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
 
 from torchyard.client.sdk import Client
 from torchyard.store.models import Job, JobEvent, Metric

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from worker_cluster import Cluster, backend_cluster
+from support.worker_cluster import Cluster, backend_cluster
 
 from torchyard.client.sdk import Client
 

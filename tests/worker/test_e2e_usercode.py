@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from proclib import tar_gz
-from worker_cluster import (
+from support.worker_cluster import (
     BACKENDS,
     Cluster,
     backend_cluster,

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
-from worker_factories import make_job, make_worker
+from support.worker_factories import make_job, make_worker
 
 from torchyard.contracts.eventmodel import event_dict
 from torchyard.scheduler.cycle import schedule

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 from sqlalchemy import func, select, update
-from worker_factories import make_job, make_worker
+from support.backends import only
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.settings import Settings
@@ -354,21 +355,19 @@ def test_outcomes_for_faults() -> None:
         assert d is not None and d.outcome == "handed_back" and "storage full" in d.reason
 
 
-@pytest.mark.postgres
-def test_liveness_uses_the_database_clock(
-    pg_fresh_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@only("postgres")
+def test_liveness_uses_the_database_clock(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Heartbeats used to be stamped with each worker host's clock: 18 s of skew reaped a
     live worker. Now both the stamp and the reaper's cutoff come from the database."""
     from torchyard.store import models as store_models
 
-    with session_scope(pg_fresh_url) as s:
+    with session_scope(db_url) as s:
         make_worker(s, "w1")
     skewed = utcnow() - timedelta(seconds=120)  # this host's clock is two minutes late
     monkeypatch.setattr(store_models, "utcnow", lambda: skewed)
-    with session_scope(pg_fresh_url) as s:
+    with session_scope(db_url) as s:
         assert heartbeat(s, "w1") == "idle"
-    with session_scope(pg_fresh_url) as s:
+    with session_scope(db_url) as s:
         assert reap_stale_workers(s, 20) == []
         w = s.get(Worker, "w1")
         assert w is not None and abs((w.last_heartbeat - utcnow()).total_seconds()) < 5

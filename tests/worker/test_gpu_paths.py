@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import select
-from worker_factories import make_job, make_worker
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.settings import Settings

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import exc, select
 from sqlalchemy.orm import Session
-from worker_factories import make_job, make_worker
+from support.worker_factories import make_job, make_worker
 
 from torchyard.contracts.eventmodel import EventLimits, event_problem, parse_event_line
 from torchyard.scheduler.cycle import schedule

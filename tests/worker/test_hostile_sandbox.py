@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
+from support.worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
 
 from torchyard.client.sdk import Client
 from torchyard.worker.sandbox import support

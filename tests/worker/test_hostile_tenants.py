@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.backends import only
 from test_zygote import _bundle, _request, _script, slot  # noqa: F401 (slot: its fixture)
 
 from torchyard.settings import Settings
@@ -283,15 +284,14 @@ def _descendant_as(pid: int, uid: int) -> int:
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-user uids are a root worker's")
 @needs_bwrap
 @pytest.mark.hostile
-def test_user_bs_uid_cannot_signal_or_read_user_as_trainer(
-    pg_fresh_url: str, tmp_path: Path
-) -> None:
+@only("postgres")
+def test_user_bs_uid_cannot_signal_or_read_user_as_trainer(db_url: str, tmp_path: Path) -> None:
     """Two users' jobs at once on one host: each runs as its user's own uid (given by the
     store), so what B's code could reach outside its namespaces as its uid (a signal to A's
     trainer, A's private file, A's /proc) is refused by the kernel. Every trainer shared
     uid 64000 before, and all three worked."""
-    settings = Settings(home=tmp_path / "home", database_url=pg_fresh_url)
-    with session_scope(pg_fresh_url) as s:
+    settings = Settings(home=tmp_path / "home", database_url=db_url)
+    with session_scope(db_url) as s:
         users = [User(name="a"), User(name="b")]
         s.add_all(users)
         s.flush()

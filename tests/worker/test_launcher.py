@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from proclib import alive
 from sqlalchemy import select
-from worker_factories import make_job, make_worker
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.settings import Settings

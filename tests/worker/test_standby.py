@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from proclib import assert_dies_with_parent
 from sqlalchemy import select
-from worker_factories import DIGITS_SPEC, make_job, make_worker, warm_for
+from support.worker_factories import DIGITS_SPEC, make_job, make_worker, warm_for
 
 from torchyard.contracts import exitcodes
 from torchyard.scheduler.cycle import schedule

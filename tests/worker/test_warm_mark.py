@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import select
-from worker_factories import DIGITS_SPEC, make_job, warm_for
+from support.backends import only
+from support.worker_factories import DIGITS_SPEC, make_job, warm_for
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.settings import Settings
@@ -110,10 +111,10 @@ def _quick_standby(tmp_path: Path) -> Starter:
     return start
 
 
-@pytest.mark.postgres
-def test_the_heartbeat_thread_follows_the_standby(pg_fresh_url: str, tmp_path: Path) -> None:
+@only("postgres")
+def test_the_heartbeat_thread_follows_the_standby(db_url: str, tmp_path: Path) -> None:
     """Ready: set within a poll; taken by a job, or dead: cleared within a poll."""
-    url = pg_fresh_url
+    url = db_url
     node = WorkerNode(_settings(url, tmp_path), "w1", CPU, "x")
     warm = node.ctx.warm
     assert warm is not None
@@ -144,11 +145,11 @@ def _ticked(node: WorkerNode, db_url: str, warm: bool) -> bool:
     return (_warm_since(db_url, node.worker_id) is not None) == warm
 
 
-@pytest.mark.postgres
+@only("postgres")
 def test_the_mark_follows_the_standby_and_the_job_goes_to_the_warm_worker(
-    pg_fresh_url: str, tmp_path: Path
+    db_url: str, tmp_path: Path
 ) -> None:
-    url = pg_fresh_url
+    url = db_url
     cold = WorkerNode(_settings(url, tmp_path / "w0", warm_trainer=False), "w0", CPU, "x")
     node = WorkerNode(_settings(url, tmp_path / "w1"), "w1", CPU, "x")
     warm = node.ctx.warm

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client import generate_latest
 from promtext import Samples, labelled, parse, value
 from sqlalchemy import select
-from worker_cluster import Cluster, free_port, free_port_run, trainer_pid, wait_for
-from worker_factories import make_job, make_worker
+from support.worker_cluster import Cluster, free_port, free_port_run, trainer_pid, wait_for
+from support.worker_factories import make_job, make_worker
 
 from torchyard.scheduler.cycle import schedule
 from torchyard.settings import Settings
