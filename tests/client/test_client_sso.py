@@ -130,8 +130,12 @@ def test_login_sso_backs_off_on_slow_down(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    # The server announces 0.2 s, then enforces 2 s: the client's next poll (~0.2 s later,
+    # however loaded the machine) is told slow_down, and its interval from then on (0.2 +
+    # 2.5 s) is past what is enforced. (0.5 s enforced against 0.2 + 0.6 s: a loaded run
+    # polled slower than 0.5 s and was never told slow_down.)
     monkeypatch.setattr(sso_routes, "DEVICE_INTERVAL_S", 0.2)  # what the server announces…
-    monkeypatch.setattr(cmd_login, "SLOW_DOWN_S", 0.6)
+    monkeypatch.setattr(cmd_login, "SLOW_DOWN_S", 2.5)
 
     def approve_later(url: str) -> None:
         provider.approve_device(url, "bob")
@@ -141,7 +145,7 @@ def test_login_sso_backs_off_on_slow_down(
     real_open = webbrowser.open
 
     def open_and_tighten(uri: str, *a: Any, **kw: Any) -> bool:
-        monkeypatch.setattr(sso_routes, "DEVICE_INTERVAL_S", 0.5)  # …then enforces
+        monkeypatch.setattr(sso_routes, "DEVICE_INTERVAL_S", 2.0)  # …then enforces
         return real_open(uri)
 
     monkeypatch.setattr(webbrowser, "open", open_and_tighten)
