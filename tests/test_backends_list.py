@@ -17,9 +17,35 @@ TESTS = Path(__file__).resolve().parent
 ROW = re.compile(r"^\| `(tests/[^`]+\.py)` \| (.*) \|$")
 
 
-def listed() -> dict[str, str]:
-    rows = [ROW.match(line) for line in (TESTS / "BACKENDS.md").read_text().splitlines()]
+SHAPES_TABLE = "| Shape module | Why both |"
+
+
+def listed(shapes: bool = False) -> dict[str, str]:
+    """The rows of the database table, or of the cluster-shape table (`shapes`)."""
+    text = (TESTS / "BACKENDS.md").read_text()
+    db, shape = text.split(SHAPES_TABLE, 1)
+    rows = [ROW.match(line) for line in (shape if shapes else db).splitlines()]
     return {m.group(1): m.group(2).strip() for m in rows if m}
+
+
+# The two-shape lists a module's cluster fixture may take (worker_cluster, dashboard_lib).
+BOTH_SHAPE_LISTS = {"BOTH_SHAPES", "BOTH"}
+
+
+def on_both_shapes() -> set[str]:
+    """The test modules with a fixture parametrized over a two-shape list."""
+    out = set()
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if "node_modules" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for deco in node.decorator_list:
+                params = [k.value for k in getattr(deco, "keywords", []) if k.arg == "params"]
+                if any(isinstance(p, ast.Name) and p.id in BOTH_SHAPE_LISTS for p in params):
+                    out.add(f"tests/{path.relative_to(TESTS).as_posix()}")
+    return out
 
 
 def declared() -> dict[str, tuple[str, ...]]:
@@ -49,6 +75,14 @@ def test_the_list_is_the_modules_that_declare_both() -> None:
     rows = listed()
     assert both - rows.keys() == set(), "declare both but are not in tests/BACKENDS.md"
     assert rows.keys() - both == set(), "in tests/BACKENDS.md but do not declare both"
+    assert all(reason for reason in rows.values()), "a row of tests/BACKENDS.md has no reason"
+
+
+def test_the_shape_list_is_the_modules_whose_cluster_runs_on_both() -> None:
+    both, rows = on_both_shapes(), listed(shapes=True)
+    assert both, "no module runs its cluster on both shapes: the scanner lost them"
+    assert both - rows.keys() == set(), "run on both shapes but are not in tests/BACKENDS.md"
+    assert rows.keys() - both == set(), "in tests/BACKENDS.md but do not run on both shapes"
     assert all(reason for reason in rows.values()), "a row of tests/BACKENDS.md has no reason"
 
 

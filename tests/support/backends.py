@@ -12,8 +12,8 @@ tests/test_backends_list.py keeps that list and the declarations the same. Test 
 PostgreSQL reachable for those). `--all-db-backends` runs the modules that declare nothing
 on both too (the full matrix, as before this choice).
 
-The name is DB_BACKENDS, not BACKENDS: end-to-end modules already import a BACKENDS of
-cluster shapes (tests/worker/worker_cluster.py)."""
+The name is DB_BACKENDS: the cluster shapes of end-to-end modules are another list
+(tests/support/worker_cluster.py: EMBEDDED, REDIS_POSTGRES, BOTH_SHAPES; `on_shapes` below)."""
 
 from __future__ import annotations
 
@@ -23,16 +23,17 @@ import pytest
 
 BOTH = ("sqlite", "postgres")
 # Where the backend is not the subject (HTTP, permissions, validation, rendering): SQLite.
-# A test's database costs ~0.05 s there against ~0.5-1 s on PostgreSQL (a TRUNCATE of
-# every table per test on this 2-core machine), measured on tests/api/test_api_jobs.py and
-# test_api_projects.py; PostgreSQL's own SQL is kept by the modules that declare both.
+# A second backend runs every test of the module again (its database is cheap either way:
+# a copied file, or a DELETE of every table, ~0.01 s: tests/support/db.py); PostgreSQL's own
+# SQL is kept by the modules that declare both.
 DEFAULT: tuple[str, ...] = ("sqlite",)
 ATTR = "DB_BACKENDS"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--all-db-backends", action="store_true", default=False,
-                     help="run the database tests of modules without DB_BACKENDS on both")  # fmt: skip
+                     help="the full matrix: modules without DB_BACKENDS on both databases, and "
+                          "every test of a two-shape module on both shapes (on_shapes)")  # fmt: skip
 
 
 def module_backends(module: Any) -> tuple[str, ...]:
@@ -88,8 +89,40 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("db_backend", [_param(n) for n in names], indirect=True)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A PostgreSQL case is marked `postgres` however it was parametrized."""
+def on_shapes(*names: str) -> pytest.MarkDecorator:
+    """One test's cluster shapes, narrower than its module's BOTH_SHAPES (a test whose
+    subject is not what the shapes do differently, in a module whose other tests' is):
+    `@on_shapes("embedded")`. Its other cases are deselected (not skipped: they are not
+    tests of this run), unless `--all-db-backends` asks for the full matrix."""
+    return pytest.mark.on_shapes(*names)
+
+
+def _shape_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    shapes = [v for v in callspec.params.values() if v in SHAPES]
+    return shapes[0] if shapes else None
+
+
+SHAPES = ("embedded", "redis-postgres")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A PostgreSQL case is marked `postgres` however it was parametrized; a test's cases
+    on a shape its `on_shapes` leaves out are deselected."""
+    if not config.getoption("--all-db-backends"):
+        kept, dropped = [], []
+        for item in items:
+            mark = item.get_closest_marker("on_shapes")
+            shape = _shape_of(item)
+            if mark is not None and shape is not None and shape not in mark.args:
+                dropped.append(item)
+            else:
+                kept.append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     for item in items:
         callspec = getattr(item, "callspec", None)
         on_pg = callspec is not None and callspec.params.get("db_backend") == "postgres"

@@ -411,11 +411,13 @@ def backend_cluster(
         c.stop()
 
 
-# The `params` of such a fixture.
-BACKENDS = [
-    "embedded",
-    pytest.param("redis-postgres", marks=[pytest.mark.redis, pytest.mark.postgres]),
-]
+# The `params` of such a fixture: one shape where the shape is not the module's subject,
+# BOTH_SHAPES where it is (listed with why in tests/BACKENDS.md, kept true by
+# tests/test_backends_list.py). Each shape starts its own cluster, so a module on both
+# costs twice: ~10 s of start-up plus every test again.
+EMBEDDED = "embedded"
+REDIS_POSTGRES = pytest.param("redis-postgres", marks=[pytest.mark.redis, pytest.mark.postgres])
+BOTH_SHAPES = [EMBEDDED, REDIS_POSTGRES]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import pytest
-from dashboard_lib import BACKENDS, backend_world, login, token_for
+from dashboard_lib import SQLITE, backend_world, login, token_for
 from seed import SPEC, finished_job, long_curve_job, loss_curve, many_jobs, user_id
 from support.worker_cluster import ROOT, Cluster
 
@@ -95,7 +95,7 @@ def _seed_rough_edges(w: World) -> None:
             w.jobs[name] = job.id
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[SQLITE])
 def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from dashboard_lib import login, token_for
-from support.worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
+from support.worker_cluster import EMBEDDED, Cluster, backend_cluster, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
@@ -40,7 +40,7 @@ SHORT: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[EMBEDDED])
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from dashboard_lib import BACKENDS, backend_world, login, token_for
+from dashboard_lib import SQLITE, backend_world, login, token_for
 from seed import finished_job, user_id
 from support.worker_cluster import Cluster
 
@@ -31,7 +31,7 @@ class World:
         return jid
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[SQLITE])
 def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:

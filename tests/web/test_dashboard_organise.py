@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from dashboard_lib import BACKENDS, backend_world, login, token_for
+from dashboard_lib import SQLITE, backend_world, login, token_for
 from seed import SPEC, finished_job, user_id
 from support.worker_cluster import Cluster, wait_for
 
@@ -41,7 +41,7 @@ class World:
         return self.http.get(f"/v1/jobs/{job_id}")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[SQLITE])
 def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from dashboard_lib import BACKENDS, start_api
+from dashboard_lib import SQLITE, start_api
 from oidc_provider import CLIENT_ID, CLIENT_SECRET, OidcProvider, start_provider
 from support.worker_cluster import Cluster
 
@@ -22,7 +22,7 @@ class World:
         self.c, self.op, self.base = c, op, c.url
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[SQLITE])
 def world(request: Any, tmp_path_factory: Any) -> Iterator[World]:
     url = None
     if request.param == "postgres":

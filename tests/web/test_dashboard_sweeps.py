@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_lib import BACKENDS, backend_world, login, token_for
+from dashboard_lib import SQLITE, backend_world, login, token_for
 from seed import SPEC, SeedTrial, sweep_study, sweep_trials
 from support.worker_cluster import Cluster
 
@@ -95,7 +95,7 @@ def _seed(w: World) -> World:
     return w
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[SQLITE])
 def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from dashboard_lib import BACKENDS, backend_world, login, token_for
+from dashboard_lib import SQLITE, backend_world, login, token_for
 from seed import finished_job, user_id
 from support.worker_cluster import Cluster
 
@@ -38,7 +38,7 @@ class World:
             ingest_metrics(s, self.sampled, rows)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[SQLITE])
 def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:

@@ -1,7 +1,10 @@
 """End to end, real processes: `torchyard api`, two `torchyard scheduler`s racing each
 other and two CPU workers, jobs posted over REST. Runs on the embedded defaults (SQLite +
-filesystem broker) and on PostgreSQL + Redis. One cluster per backend is shared by the
-tests of this module (two cores), and every test leaves it with its two workers idle."""
+filesystem broker) and on PostgreSQL + Redis (tests/BACKENDS.md: a job handed back goes
+through the broker and the scheduler's locks, which the shapes do differently); the two
+tests whose subject is training itself run on one shape each (`on_shapes`). One cluster per
+shape is shared by the tests of this module (two cores), and every test leaves it with its
+two workers idle."""
 
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import torch
 from sklearn.datasets import load_digits
 from specs import digits_spec
 from sqlalchemy import select
+from support.backends import on_shapes
 from support.worker_cluster import (
-    BACKENDS,
+    BOTH_SHAPES,
     Cluster,
     backend_cluster,
     checkpointed_and_running,
@@ -52,7 +56,7 @@ LONG: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=BOTH_SHAPES)
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
@@ -75,6 +79,7 @@ def _downloaded_weights_load_and_score(c: Cluster, job: dict, tmp: Path) -> None
     assert accuracy >= job["latest_metrics"]["val/accuracy"]["value"], accuracy
 
 
+@on_shapes("embedded")  # the quick start's shape; training and download are the subject
 def test_digits_job_trains_and_its_checkpoint_downloads(cluster: Cluster, tmp_path: Path) -> None:
     c = cluster
     job = c.submit(DIGITS)
@@ -102,6 +107,7 @@ def test_digits_job_trains_and_its_checkpoint_downloads(cluster: Cluster, tmp_pa
     assert "attempt 1, rank 0/1" in log
 
 
+@on_shapes("redis-postgres")  # a production pool's shape; DDP's numbers are the subject
 def test_world_size_2_matches_world_size_1(cluster: Cluster) -> None:
     c = cluster
     one = c.submit(dict(DIGITS, world_size=1))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sqlalchemy import select
 from support.worker_cluster import (
-    BACKENDS,
+    REDIS_POSTGRES,
     Cluster,
     backend_cluster,
     checkpointed_and_running,
@@ -54,7 +54,7 @@ LONG: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[REDIS_POSTGRES])
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import func, select
-from support.worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
+from support.worker_cluster import REDIS_POSTGRES, Cluster, backend_cluster, wait_for
 
 from torchyard.client.sdk import Client
 from torchyard.store.models import Job, JobEvent, Metric
@@ -45,7 +45,7 @@ ASHA: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[REDIS_POSTGRES])
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from proclib import tar_gz
 from support.worker_cluster import (
-    BACKENDS,
+    EMBEDDED,
     Cluster,
     backend_cluster,
     checkpointed_and_running,
@@ -147,7 +147,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[EMBEDDED])
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.worker_cluster import BACKENDS, Cluster, backend_cluster, wait_for
+from support.worker_cluster import EMBEDDED, Cluster, backend_cluster, wait_for
 
 from torchyard.client.sdk import Client
 from torchyard.worker.sandbox import support
@@ -79,7 +79,7 @@ while True:
 """
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=[EMBEDDED])
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
