@@ -54,4 +54,16 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 bash scripts/typecheck.sh
-.venv/bin/python -m pytest "$@"
+# TORCHYARD_TEST_PROCESSES=N (N > 1) runs the tests in N processes (pytest-xdist), each
+# module whole in one (its module-scoped cluster starts once), the longest modules first
+# (tests/support/order.py). One process by default: on a 2-core machine the end-to-end
+# modules already keep both cores busy, and three processes ran no faster (README, Tests).
+# An -n given here replaces this.
+xdist=()
+if [ "${TORCHYARD_TEST_PROCESSES:-1}" -gt 1 ]; then
+  xdist=(-n "$TORCHYARD_TEST_PROCESSES" --dist loadfile --no-loadscope-reorder)
+fi
+for arg in "$@"; do
+  case "$arg" in -n | -n[0-9]* | --numprocesses* | no:xdist) xdist=() ;; esac
+done
+.venv/bin/python -m pytest "${xdist[@]}" "$@"

@@ -16,8 +16,15 @@ from seaweed import Seaweed, SeaweedError, start_seaweed
 # `--timing-report PATH`: seconds per module and per fixture setup (tests/support/timing.py);
 # the database backends each test runs on (tests/support/backends.py) and the database
 # fixtures on them, one stack for every suite (tests/support/db.py); `-m fast`, the inner
-# loop's lane (tests/support/lanes.py).
-pytest_plugins = ["support.timing", "support.backends", "support.db", "support.lanes"]
+# loop's lane (tests/support/lanes.py); the longest modules first, for the parallel run
+# (tests/support/order.py).
+pytest_plugins = [
+    "support.timing",
+    "support.backends",
+    "support.db",
+    "support.lanes",
+    "support.order",
+]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_ADMIN_URL = os.environ.get(

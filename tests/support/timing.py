@@ -40,9 +40,30 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any]) -> Generator[None, 
     _fixture_counts[key] += 1
 
 
+class _FromWorkers:
+    """Under pytest-xdist the test reports reach the controller, but fixtures are set up in
+    the workers: each sends its sums back in `workeroutput`, added up here."""
+
+    @staticmethod
+    def pytest_testnodedown(node: Any, error: Any) -> None:
+        sent = getattr(node, "workeroutput", {}).get("timing_fixtures", {})
+        for key, (s, n) in sent.items():
+            _fixtures[key] += s
+            _fixture_counts[key] += n
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--timing-report") and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_FromWorkers(), "timing-from-workers")
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("--timing-report")
     if not path:
+        return
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller writes the report
+        workeroutput["timing_fixtures"] = {k: (v, _fixture_counts[k]) for k, v in _fixtures.items()}
         return
     top = sorted(_modules.items(), key=lambda kv: -kv[1])
     fixtures = sorted(_fixtures.items(), key=lambda kv: -kv[1])
