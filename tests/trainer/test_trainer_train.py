@@ -117,29 +117,37 @@ def test_auto_precision_is_fp32_on_cpu(tmp_path: Path) -> None:
 def test_samples_per_s_leaves_evaluation_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A slow validation pass (0.5 s here) must not read as slow training: every window's
-    train/samples_per_s, and the final one, count training time only."""
+    """A slow validation pass must not read as slow training: every window's
+    train/samples_per_s, and the final one, count training time only. The loop's clock
+    jumps 1,000 s inside each validation pass, so the check does not hang on how fast this
+    machine trains at the moment (a real sleep of 0.5 s did, under CI's load)."""
     import time
+    import types
 
+    from torchyard.trainer import loop
     from torchyard.trainer.data import Batches
 
-    slow_val = Batches.val_batches
+    jumped = [0.0]
+    monkeypatch.setattr(
+        loop, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + jumped[0])
+    )
+    real_val = Batches.val_batches
 
     def val_batches(self):  # type: ignore[no-untyped-def]
-        time.sleep(0.5)
-        yield from slow_val(self)
+        jumped[0] += 1000.0
+        yield from real_val(self)
 
     monkeypatch.setattr(Batches, "val_batches", val_batches)
     spec = make_spec(epochs=3, batch_size=32, log_every_steps=10)
     code, ev = train_in_process(spec, tmp_path / "run")
-    assert code == exitcodes.OK
+    assert code == exitcodes.OK and jumped[0] >= 3000.0
     rates = [e["value"] for e in ev.of_type("metric") if e["name"] == "train/samples_per_s"]
     assert len(rates) >= 6
-    # A window holding an evaluation would read <= 320 samples / 0.5 s = 640 samples/s; this
-    # MLP trains at tens of thousands of samples/s on one CPU thread.
-    assert min(rates) > 2000, rates
+    # A window holding an evaluation would read <= 320 samples / 1,000 s; any real training
+    # rate of this MLP, however loaded the machine, is far above 10 samples/s.
+    assert min(rates) > 10, rates
     final = ev.of_type("finished")[0]["metrics"]["train/samples_per_s"]
-    assert final > 2000, final
+    assert final > 10, final
 
 
 def test_max_steps_stops_mid_epoch_and_saves(tmp_path: Path) -> None:
