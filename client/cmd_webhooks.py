@@ -1,6 +1,6 @@
 """The webhook commands, over the API: `webhook create URL --event E … [--project P]
 [--secret S]` (prints the secret once), `webhook list`, `webhook delete ID`, `webhook
-deliveries ID` (each delivery with its attempts)."""
+deliveries ID` (each delivery with its attempts). ID: a unique prefix will do, as for jobs."""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def add_webhook_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     sp.add_argument("--secret", help="the signing key (16-256 characters; default: made)")
     action("list", cmd_webhook_list, "your webhooks and those of projects you own")
     sp = action("delete", cmd_webhook_delete, "delete a webhook and its deliveries")
-    sp.add_argument("id", help="the webhook's id (`torchyard webhook list`)")
+    sp.add_argument("id", help="the webhook's id, or a unique prefix (`torchyard webhook list`)")
     sp = action("deliveries", cmd_webhook_deliveries, "a webhook's deliveries and attempts")
-    sp.add_argument("id", help="the webhook's id")
+    sp.add_argument("id", help="the webhook's id, or a unique prefix")
     sp.add_argument("--limit", type=int, default=20, help="newest N (default 20, most 200)")
 
 
@@ -78,11 +78,12 @@ def cmd_webhook_list(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_webhook_delete(client: Client, args: argparse.Namespace) -> int:
-    client.delete_webhook(args.id)
+    webhook_id = client.resolve_webhook_id(args.id)  # say the full id, not the prefix given
+    client.delete_webhook(webhook_id)
     if args.json:
-        print_json({"id": args.id, "deleted": True})
+        print_json({"id": webhook_id, "deleted": True})
     else:
-        note(f"webhook {args.id} deleted")
+        note(f"webhook {webhook_id} deleted")
     return EXIT_OK
 
 

@@ -4,7 +4,7 @@
     ├── ConnectError ......... the server could not be reached (refused, DNS, timeout)
     ├── SpecFileError ........ a local spec file is missing, unreadable, or not JSON/YAML
     ├── ConfigError .......... the login file (`torchyard login`) is unreadable or not valid
-    ├── AmbiguousId .......... an id prefix that matches several jobs (or sweeps); `.matches`
+    ├── AmbiguousId .......... an id prefix that matches several jobs (sweeps, webhooks); `.matches`
     ├── ChecksumError ........ a downloaded file's sha256 differs from the server's
     └── APIError ............. the server answered with an error status
         ├── BadRequest ....... 400 / 413: the request itself was refused
@@ -48,8 +48,9 @@ class ConfigError(TorchyardError):
 
 
 class AmbiguousId(TorchyardError):
-    """An id prefix that more than one job (or sweep) starts with. `matches` holds their
-    full ids, newest first; the message names a few so the user can type more of one."""
+    """An id prefix that more than one job, sweep or webhook starts with. `matches` holds
+    their full ids (jobs and sweeps newest first, webhooks oldest first); the message names
+    a few so the user can type more of one."""
 
     is_user_error = True
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import quote
 
 import httpx
@@ -770,6 +770,17 @@ class Client:
         """{"id", "bytes", "files"} of a bundle this user uploaded (NotFound otherwise)."""
         return self._json("GET", f"/v1/bundles/{_seg(bundle_id)}")
 
+    # -- data sets --------------------------------------------------------------------------
+
+    def upload_dataset(self, name: str, archive: IO[bytes], *, force: bool = False) -> dict:
+        """POST an ImageFolder set (`archive`: a gzip-compressed tar of train/… and val/…,
+        streamed) as imagefolder/`name` into the server's data root or object store;
+        {"name", "where", "files", "classes"}. Admins."""
+        headers = {"Content-Type": "application/gzip"}
+        params = {"name": name, "force": "true" if force else None}
+        chunks = iter(lambda: archive.read(1 << 20), b"")  # streamed: sets may be gigabytes
+        return self._json("POST", "/v1/datasets", params=params, content=chunks, headers=headers)
+
     # -- sweeps -----------------------------------------------------------------------------
 
     def create_sweep(self, sweep: Mapping[str, Any]) -> dict:
@@ -941,15 +952,27 @@ class Client:
         body = {"url": url, "events": list(events), "secret": secret, "project": project}
         return dict(self._json("POST", "/v1/webhooks", json={k: v for k, v in body.items() if v}))
 
+    def resolve_webhook_id(self, ref: str) -> str:
+        """A full webhook id as it is (no request); otherwise the one webhook you manage
+        whose id starts with `ref` (NotFound when none does, AmbiguousId when several do)."""
+        if _FULL_ID.match(ref):
+            return ref
+        if not _PREFIX.match(ref):
+            raise _not_found(f"not a webhook id: {ref!r} (32 hex digits, or a unique prefix)")
+        # The list is every webhook you manage (no pages), so no scan limit.
+        return match_prefix("webhook", ref, map(_webhook_as_listed, self.webhooks()))
+
     def delete_webhook(self, webhook_id: str) -> None:
-        self._json("DELETE", f"/v1/webhooks/{_seg(webhook_id)}")
+        """Delete the webhook; a unique prefix of its id will do."""
+        self._json("DELETE", f"/v1/webhooks/{self.resolve_webhook_id(webhook_id)}")
 
     def webhook_deliveries(
         self, webhook_id: str, *, limit: int | None = None, cursor: str | None = None
     ) -> dict:
-        """One page of a webhook's deliveries, newest first, each with its `attempts`."""
+        """One page of a webhook's deliveries, newest first, each with its `attempts`; a
+        unique prefix of the webhook's id will do."""
         params = {"limit": limit, "cursor": cursor}
-        path = f"/v1/webhooks/{_seg(webhook_id)}/deliveries"
+        path = f"/v1/webhooks/{self.resolve_webhook_id(webhook_id)}/deliveries"
         return dict(self._json("GET", path, params=params))
 
     def ready(self) -> bool:
@@ -1043,6 +1066,13 @@ def match_prefix(kind: str, ref: str, items: Iterable[dict], limit: int | None =
         f"{ref} matches {len(matches)} {kind}s: {listed}{more}; give more of the id",
         [str(m["id"]) for m in matches],
     )
+
+
+def _webhook_as_listed(hook: Mapping[str, Any]) -> dict[str, Any]:
+    """A webhook in the fields match_prefix names a match by: its URL and whether active."""
+    state = "active" if hook.get("active", True) else "inactive"
+    return {"id": hook.get("id"), "name": hook.get("url"), "state": state,
+            "created_at": hook.get("created_at")}  # fmt: skip
 
 
 def _not_found(message: str) -> Exception:
