@@ -4,6 +4,7 @@ imported only when run, so `torchyard status` never loads torch or the server.""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 # command -> (module, function, one-line help). Each function takes argv (after the command).
@@ -29,8 +30,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "data": (
         "torchyard.store.dataimport",
         "data_main",
-        "data sets in the data root or the object store: `data import NAME FILE…` "
-        "(official archives), `data upload DIR --name NAME` (ImageFolder), `data list`",
+        "data sets: `data upload DIR --name NAME` (ImageFolder, to the server over the "
+        "API); on the server host: `data import NAME FILE…` (official archives), `data list`",
     ),
     "token": (
         "torchyard.client.cli",
@@ -98,14 +99,36 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: torchyard <command> [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {h}" for name, (_, _, h) in COMMANDS.items()]
-    lines += ["", "`torchyard <command> --help` for a command's options."]
+    lines += ["", "`torchyard <command> --help` for a command's options; "
+              "`torchyard --version` for the version."]  # fmt: skip
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed package's version, from its metadata (pyproject.toml's, as installed)."""
+    try:
+        return importlib.metadata.version("torchyard")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, never installed
+        return "unknown (not installed)"
+
+
+def data_over_api(rest: list[str]) -> bool:
+    """`data upload …` goes to the server over the API (client/cmd_data.py) unless
+    `--local` or `--data-root` asks for this host's data root (store/dataimport.py): a
+    local copy from a work folder would land in its `./.torchyard/data`, where no job looks."""
+    if "--local" in rest or any(a.split("=")[0] == "--data-root" for a in rest):
+        return False
+    words = [a for a in rest if not a.startswith("-")]
+    return bool(words) and words[0] == "upload"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("--version", "-V"):
+        print(f"torchyard {version()}")
         return 0
     cmd = argv[0]
     if cmd not in COMMANDS:
@@ -118,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             "token_main",
             [a for a in argv if a != "--local"],
         )
+    if cmd == "data" and data_over_api(argv[1:]):
+        module, func = "torchyard.client.cli", "main"
     fn = getattr(importlib.import_module(module), func)
     # Client commands parse the command name themselves; server commands get the rest.
     rc = fn(argv) if module == "torchyard.client.cli" else fn(argv[1:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.metadata
 import io
 import json
 import threading
@@ -17,6 +18,7 @@ import pytest
 from client_server import BLOB, SPEC, STEPS, Recorder, Store
 from fastapi.testclient import TestClient
 
+from torchyard import cli as top
 from torchyard.client import render
 from torchyard.client.cli import follow_job, main, progress_line, wide_rows
 from torchyard.client.sdk import Client
@@ -341,3 +343,13 @@ def test_tables_never_wrap_when_piped() -> None:
     lines = text.splitlines()
     assert len(lines) == 3 and long in lines[1]
     assert lines[1].rstrip().endswith(" 1") and lines[2].rstrip().endswith("22")  # right-aligned
+
+
+def test_version_prints_the_package_version_and_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert top.main(["--version"]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == (f"torchyard {importlib.metadata.version('torchyard')}\n", "")
+    assert top.main(["-V"]) == 0 and capsys.readouterr().out == out
+    assert "--version" in top.usage()
