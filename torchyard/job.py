@@ -2,7 +2,7 @@
 
     from torchyard import job
 
-    ctx = job.setup()                      # rank, world size, device, run dir
+    ctx = job.setup(total_steps=steps)     # rank, world size, device, run dir; steps: the ETA
     state = job.restore()                  # what the last `save` of this job held, or None
     for step in range(start + 1, steps + 1):
         ...                                # your training step
@@ -54,6 +54,7 @@ __all__ = [
     "restore",
     "save",
     "save_weights",
+    "set_total",
     "setup",
     "should_stop",
 ]
@@ -93,6 +94,8 @@ class Backend(Protocol):
 
     def restore(self) -> dict[str, Any] | None: ...
 
+    def set_total(self, total_steps: int) -> None: ...
+
     def stop_requested(self) -> bool:
         """This rank's own stop flag (no collective)."""
         ...
@@ -124,13 +127,28 @@ def _get() -> Backend:
 # ---------------------------------------------------------------------------- the API
 
 
-def setup() -> Context:
+def setup(total_steps: int | None = None) -> Context:
     """This rank's context. Under torchyard: what the runner set up (process group joined,
     device pinned). By hand: joins the process group when WORLD_SIZE > 1 (NCCL on CUDA,
     gloo on CPU, env:// rendezvous as torchrun sets it), picks `cuda:LOCAL_RANK` (or the
     CPU), creates ./torchyard-run/ and makes SIGTERM set the stop flag. Calling it again
-    returns the same context; the other functions call it when the script has not."""
-    return _get().context()
+    returns the same context; the other functions call it when the script has not.
+    `total_steps`: the run's length, as `set_total` takes it."""
+    b = _get()
+    if total_steps is not None:
+        set_total(total_steps)
+    return b.context()
+
+
+def set_total(total_steps: int) -> None:
+    """The run's length: the step the last `log` will be at. The job then shows `step/total`
+    and an ETA, as a built-in job does (without it: `step/?` while it runs, and its last
+    step as the length once it finishes). Call it again if the length changes."""
+    if isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral):
+        raise TypeError(f"job.set_total: total_steps must be an integer >= 1, not {total_steps!r}")
+    if total_steps < 1:
+        raise ValueError(f"job.set_total: total_steps must be >= 1, not {total_steps}")
+    _get().set_total(int(total_steps))
 
 
 def log(step: int, **metrics: float) -> None:
@@ -356,6 +374,9 @@ class _LocalBackend:
     def restore(self) -> dict[str, Any] | None:
         found = _checkpoints(self.ctx.run_dir / "checkpoints")
         return read_state(found[-1]) if found else None
+
+    def set_total(self, total_steps: int) -> None:
+        pass  # by hand the step lines are the progress
 
     def stop_requested(self) -> bool:
         return self.stop_signal is not None

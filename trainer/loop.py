@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from torchyard.trainer.models import build_model
 from torchyard.trainer.optim import build_optimizer, lr_schedule, set_lr
 from torchyard.trainer.rungs import Gate, Verdict, load_plan
 from torchyard.trainer.signals import StopFlag
+from torchyard.trainer.usercode import first_pass
 
 # Losses are read back (one host sync) at most this many steps apart; also the stop-flag check
 # interval under DDP, where every rank must agree on the step to stop at.
@@ -216,6 +218,10 @@ class Trainer:
         # A resumed attempt starts from its own checkpoint, not from `init`.
         init = r.init if r.resume is None else None
         self.net, self.sync_bn = build_net(spec, self.ds, self.d, self.batches.channels_last, init)
+        # A bundle factory's model: its first passes are the user's (`user_pass`).
+        model = spec.model
+        self.user_model = model.name if model is not None and model.kind == "factory" else None
+        self.passed: set[str] = set()  # the passes already guarded in this attempt
         self.opt = build_optimizer(spec, self.net, self.device)
         # One step path for every precision, as in nanoGPT: fp16 needs loss scaling (its
         # gradients underflow), bf16 and fp32 do not, and a disabled scaler passes through.
@@ -280,7 +286,9 @@ class Trainer:
         pos, every_steps = self.pos, self.spec.checkpoint.every_steps
         for x, y in self.batches.train_epoch(pos.epoch, pos.batch):
             self.update_lr()
-            self.pending.append(self.train_step(x, y))
+            with self.user_pass("training step"):
+                loss = self.train_step(x, y)
+            self.pending.append(loss)
             pos.step += 1
             pos.batch += 1
             self.window.samples += len(y) * self.d.world_size
@@ -297,6 +305,14 @@ class Trainer:
         if self.lr_varies and (lr := self.lr_at(self.pos.step)) != self.lr:
             self.lr = lr
             set_lr(self.opt, lr)
+
+    def user_pass(self, what: str) -> AbstractContextManager[None]:
+        """The user's model's first `what` of this attempt runs guarded: a failure there
+        is theirs, not retried (usercode.first_pass). Built-in models are never guarded."""
+        if self.user_model is None or what in self.passed:
+            return nullcontext()
+        self.passed.add(what)
+        return first_pass(self.user_model, what, self.r.run_dir)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on a batch; returns its loss, left on the device (no host sync)."""
@@ -397,6 +413,7 @@ class Trainer:
 
     def stop_now(self) -> int:
         """A stop request (SIGTERM, a lost lease): checkpoint here, say so, exit PREEMPTED."""
+        self.report_progress(force=True)
         path = self.save_resume()
         signal = self.r.stop.signal or "SIGTERM"
         self.events.emit("stopped", signal=signal, step=self.pos.step, checkpoint=path)
@@ -431,6 +448,7 @@ class Trainer:
         (a pruned trial is not resumed)."""
         assert self.gate is not None
         why = self.gate.last.reason if self.gate.last is not None else ""
+        self.report_progress(force=True)  # the step it stopped at, not the last report's
         self.events.emit("stopped", signal="pruned", step=self.pos.step, checkpoint=None)
         if self.main:
             self.r.log(f"pruned at step {self.pos.step}" + (f": {why}" if why else ""))
@@ -500,8 +518,9 @@ class Trainer:
         tot = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
         with torch.no_grad(), self.autocast:
             for x, y in self.batches.val_batches():
-                out = self.fwd(x)
-                tot[0] += F.cross_entropy(out.float(), y, reduction="sum")
+                with self.user_pass("evaluation batch"):
+                    out = self.fwd(x)
+                    tot[0] += F.cross_entropy(out.float(), y, reduction="sum")
                 tot[1] += (out.argmax(1) == y).sum()
                 tot[2] += len(y)
         self.net.train()

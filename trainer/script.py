@@ -15,7 +15,9 @@ spec, sets `sys.argv` to the script and its arguments and runs it as `__main__`.
   their kind, trainer/failures.py).
 
 What the script's calls write (rank 0): `metric` events and a `progress` event at most once a
-second (`job.log`); resume checkpoints `checkpoints/step-XXXXXXXX.pt` through
+second (`job.log`; with the length `job.set_total` declared, and an ETA), and a last one when
+the script ends, so that a finished job shows its last step (of the declared length, or of
+itself); resume checkpoints `checkpoints/step-XXXXXXXX.pt` through
 trainer/checkpoint.py, pruned to `checkpoint.keep_last` and announced as `checkpoint`
 events (`job.save`), which is where the worker finds the next attempt's `--resume`; the
 final `model.safetensors` (`job.save_weights`). `job.restore()` reads `--resume`.
@@ -68,6 +70,8 @@ def run_script(spec: JobSpec, r: Run, code_dir: Path) -> int:
             run_user_script(path, r.run_dir)
         return end(r, b)
     except Pruned as p:
+        if b is not None:
+            b.final_progress(p.step, finished=False)
         return pruned(r, p.step, p.reason)
     except Exception as e:
         kind, code = classify(e, r.run_dir)
@@ -103,7 +107,9 @@ class ScriptBackend:
         self.metrics: dict[str, float] = {}  # the last value of each logged metric
         self.saw_stop = False  # should_stop() said True
         self.weights_saved = False
-        self.progress_t = -math.inf
+        self.progress_t = -math.inf  # of the last progress event
+        self.total: int | None = None  # job.set_total's
+        self.start_t, self.start_step = time.monotonic(), self.resume_step  # for the ETA
         # A one-rank script waits at its rungs in log() (each report of the objective is
         # an evaluation); under DDP only rank 0 logs, so its ranks could not wait together.
         plan = load_plan(r.run_dir) if d.world_size == 1 else None
@@ -120,12 +126,32 @@ class ScriptBackend:
         self.metrics.update(metrics)
         for name, value in metrics.items():
             self.r.events.emit("metric", step=step, name=name, value=value)
-        now = time.monotonic()
-        if now - self.progress_t >= PROGRESS_EVERY_S:
-            self.r.events.emit("progress", step=step, total_steps=None)
-            self.progress_t = now
+        if time.monotonic() - self.progress_t >= PROGRESS_EVERY_S:
+            self.report_progress(step)
         if self.gate is not None and self.gate.plan.metric in metrics:
             self.at_rung(step, metrics[self.gate.plan.metric])
+
+    def set_total(self, total_steps: int) -> None:
+        self.total = total_steps
+        if self.d.is_main:
+            self.report_progress(self.last_step)  # the bar shows at once, at its start
+
+    def report_progress(self, step: int, total: int | None = None) -> None:
+        """A `progress` event (rank 0): `total` or the declared length, and the ETA at the
+        pace since this attempt started."""
+        total = self.total if total is None else total
+        now, done = time.monotonic(), step - self.start_step
+        eta = None
+        if total is not None and done > 0 and step <= total:
+            eta = (total - step) * (now - self.start_t) / done
+        self.r.events.emit("progress", step=step, total_steps=total, eta_s=eta)
+        self.progress_t = now
+
+    def final_progress(self, step: int, finished: bool) -> None:
+        """The last `progress` of the attempt (rank 0), where any was shown: a finished run
+        with no declared length is as long as its last step."""
+        if self.d.is_main and (self.progress_t > -math.inf or self.total is not None):
+            self.report_progress(step, self.total or (step if finished else None))
 
     def at_rung(self, step: int, value: float) -> None:
         """One more report of the objective; at a rung, wait for the verdict (a stop signal
@@ -256,7 +282,9 @@ def end(r: Run, b: ScriptBackend) -> int:
     `finished`; then every rank waits for the others (none exits, making torchrun kill the
     rest, before rank 0 has written)."""
     d = r.dist
-    if b.saw_stop and not b.weights_saved:
+    stopped = b.saw_stop and not b.weights_saved
+    b.final_progress(b.last_step, finished=not stopped)
+    if stopped:
         signal = r.stop.signal or "SIGTERM"
         r.events.emit("stopped", signal=signal, step=b.saved_step, checkpoint=b.saved_path)
         if d.is_main:

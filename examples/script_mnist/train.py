@@ -91,6 +91,7 @@ def main() -> None:
         if ctx.is_main:
             print(f"resuming after epoch {start_epoch}")
     model = DistributedDataParallel(net) if ctx.world_size > 1 else net
+    job.set_total(args.epochs * len(trainloader))  # the run's length: progress and an ETA
     every = min(200, len(trainloader))  # the digits stand-in has fewer batches than that
     step = start_epoch * len(trainloader)
 

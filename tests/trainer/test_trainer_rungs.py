@@ -54,6 +54,7 @@ def test_a_pruned_trial_stops_at_its_rung_without_a_checkpoint(tmp_path: Path) -
     assert [r["value"] for r in rungs] == [accuracy[0]["value"], accuracy[2]["value"]]
     (stopped,) = of(ev, "stopped")
     assert (stopped["signal"], stopped["step"], stopped["checkpoint"]) == ("pruned", 3 * spe, None)
+    assert of(ev, "progress")[-1]["step"] == 3 * spe  # where it stopped, not the last report
     assert [c["step"] for c in of(ev, "checkpoint")] == [spe, 2 * spe]  # none at the rung
     assert not of(ev, "finished") and max(e.get("step", 0) for e in ev.events) == 3 * spe
 

@@ -36,6 +36,7 @@ from torchyard.contracts import exitcodes
 from torchyard.contracts.eventfiles import rank_events_file
 from torchyard.contracts.spec import parse_spec
 from torchyard.trainer import checkpoint
+from torchyard.trainer import script as script_mod
 from torchyard.trainer.distributed import Dist
 from torchyard.trainer.events import MemoryEvents
 from torchyard.trainer.loop import Run
@@ -529,4 +530,46 @@ def test_a_one_rank_script_waits_at_its_rungs_and_a_prune_ends_it(tmp_path: Path
     assert [(e["index"], e["step"], e["value"]) for e in rungs] == [(3, 2, 0.2)]
     (stopped,) = of_type(events.events, "stopped")
     assert (stopped["signal"], stopped["step"]) == ("pruned", 2)
+    assert of_type(events.events, "progress")[-1]["step"] == 2  # where it stopped
     assert not of_type(events.events, "finished")
+
+
+LOOP = (
+    "from torchyard import job\n"
+    "job.setup({declare})\n"
+    "for step in range(1, 31):\n"
+    "    job.log(step, loss=1.0 / step)\n"
+)
+
+
+def test_a_finished_script_shows_its_last_step_of_its_own_length(tmp_path: Path) -> None:
+    """No length declared: `step/?` while it runs (one progress a second), then the last
+    step as both step and length, not the first second's report."""
+    code, events = run_here(tmp_path, "loop.py", LOOP.format(declare=""))
+    assert code == exitcodes.OK
+    progress = of_type(events.events, "progress")
+    assert progress[0]["total_steps"] is None
+    assert (progress[-1]["step"], progress[-1]["total_steps"]) == (30, 30)
+    assert events.events[-1]["type"] == "finished"
+
+
+def test_a_declared_length_gives_progress_and_an_eta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(script_mod, "PROGRESS_EVERY_S", 0.0)  # every log reports
+    code, events = run_here(tmp_path, "loop.py", LOOP.format(declare="total_steps=30"))
+    assert code == exitcodes.OK
+    progress = of_type(events.events, "progress")
+    assert progress[0] == {**progress[0], "step": 0, "total_steps": 30, "eta_s": None}
+    assert [p["total_steps"] for p in progress] == [30] * len(progress)
+    mid = next(p for p in progress if p["step"] == 15)
+    assert mid["eta_s"] is not None and mid["eta_s"] >= 0
+    assert (progress[-1]["step"], progress[-1]["eta_s"]) == (30, 0)
+
+
+def test_set_total_refuses_what_is_not_a_length(backend: ScriptBackend) -> None:
+    for bad, error in ((0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="total_steps"):
+            job.set_total(bad)
+    job.set_total(7)
+    assert backend.total == 7

@@ -83,9 +83,10 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--save-every", type=int, default=10)
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--declare-length", action="store_true")
 a = p.parse_args()
 
-ctx = job.setup()
+ctx = job.setup(total_steps=a.steps if a.declare_length else None)
 torch.manual_seed(0)
 model = make_model(32).to(ctx.device)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -267,6 +268,8 @@ def test_script_jobs_at_world_size_1_and_2(cluster: Cluster, sdk: Client, bundle
         assert done["latest_metrics"]["train/loss"]["value"] == pytest.approx(losses[-1])
         kinds = {ck["kind"] for ck in cluster.get(f"/v1/jobs/{job['id']}/checkpoints")["items"]}
         assert kinds == {"resume", "weights"}
+        # No length declared: a finished script is as long as its last step (not `1/?`).
+        assert (done["progress"]["step"], done["progress"]["total_steps"]) == (40, 40)
     assert [w["rank"] for w in cluster.job(two["id"])["attempts"][0]["workers"]] == [0, 1]
     r = cluster.http.get(f"/v1/jobs/{two['id']}/checkpoints/latest/download")
     assert r.status_code == 200
@@ -275,15 +278,20 @@ def test_script_jobs_at_world_size_1_and_2(cluster: Cluster, sdk: Client, bundle
 def test_script_job_resumes_after_a_sigkill(cluster: Cluster, sdk: Client, bundle: Path) -> None:
     c = cluster
     spec = dict(SCRIPT_SPEC, entrypoint={"script": "train.py",
-                                         "args": ["--steps", "300", "--sleep", "0.03"]})  # fmt: skip
+                                         "args": ["--steps", "300", "--sleep", "0.03",
+                                                  "--declare-length"]})  # fmt: skip
     job = sdk.submit(spec, code=bundle)
     wait_for(lambda: checkpointed_and_running(c, job["id"], 30), 120, "a checkpoint at 30")
+    wait_for(lambda: (c.job(job["id"])["progress"] or {}).get("eta_s") is not None, 30,
+             "an ETA")  # fmt: skip
+    assert c.job(job["id"])["progress"]["total_steps"] == 300  # job.setup(total_steps=...)
     victim = _kill_running_worker(c, job["id"])
     done = c.wait_state(job["id"], "succeeded", timeout=240)
     assert [a["state"] for a in done["attempts"]] == ["lost", "succeeded"]
     assert "resumed at step" in c.job_log(job["id"])
     steps, _ = c.metrics(job["id"], "user/step")
     assert steps == list(range(1, 301))  # unique and gap-free across the two attempts
+    assert (done["progress"]["step"], done["progress"]["total_steps"]) == (300, 300)
     c.start_worker(victim)
     c.wait_workers(2)
 
