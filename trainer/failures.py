@@ -5,7 +5,8 @@ The kinds decide what the scheduler does (worker/outcome.py): `data`, `out_of_me
 own and fail it at once, as do `user_code` (an exception raised by, or a wrong value
 returned from, the user's model, data set or script: `UserCodeError`; or any exception
 whose traceback passes through a frame of the user's code, such as a bundle model's
-`forward` called by our training loop), `init` (the
+`forward` called by our training loop; or a bundle model's first training step or evaluation
+batch failing without a hardware kind: trainer/usercode.py `first_pass`), `init` (the
 spec's `init` weights do not fit the model), `spec` (it names a model this worker's
 torchvision lacks) and `model_too_large` (over TORCHYARD_MAX_MODEL_PARAMS); `storage_full` is the worker's and
 hands the job back (when the worker, looking at the file system itself, finds it full: user
@@ -47,6 +48,12 @@ PEER_MARKERS = (
     "Watchdog caught collective operation timeout",
     "Timed out waiting",
 )
+# Messages of a fault in the device, its driver or its libraries: the machine's, whatever
+# model was running (a device-side assert, an illegal address, a lost GPU).
+DEVICE_MARKERS = ("CUDA error", "CUDA driver error", "CUBLAS_STATUS", "CUDNN_STATUS", "NCCL")
+# torch.compile's own crashes (InductorError is one): a compiler bug, not the model's. A
+# model's shape error under compile is a TorchRuntimeError instead.
+COMPILER_FAILURES = ("BackendCompilerFailed", "InductorError")
 FULL_BELOW_BYTES = 1 << 20
 # torch.use_deterministic_algorithms(True) refuses ops without a deterministic kernel.
 NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
@@ -119,6 +126,20 @@ def is_peer_failure(e: BaseException) -> bool:
     return False
 
 
+def is_device_fault(e: BaseException) -> bool:
+    for x in chain(e):
+        if isinstance(x, torch.AcceleratorError):
+            return True
+        if isinstance(x, RuntimeError) and any(m in str(x) for m in DEVICE_MARKERS):
+            return True
+    return False
+
+
+def is_compiler_failure(e: BaseException) -> bool:
+    # By name: importing torch._dynamo here would cost every trainer start a second.
+    return any(type(x).__name__ in COMPILER_FAILURES for x in chain(e))
+
+
 def storage_full(e: BaseException, run_dir: Path) -> bool:
     """The failure came from a full file system: ENOSPC/EDQUOT anywhere in the exception's
     chain, or (torch.save reports a failed write as a bare RuntimeError) any error while
@@ -182,3 +203,12 @@ def classify(e: BaseException, run_dir: Path) -> tuple[str, int]:
     if from_user_code(e):
         return "user_code", exitcodes.FAILED
     return "internal", exitcodes.FAILED
+
+
+def keeps_its_kind(e: BaseException, run_dir: Path) -> bool:
+    """Whether a failure in a user's model is told by what it is, not whose model it was:
+    classify names it already (OOM, a full disk, a lost peer, our own error types), or it
+    is a fault of the device or of torch.compile, which stays `internal` and is retried."""
+    if classify(e, run_dir)[0] != "internal":
+        return True
+    return is_device_fault(e) or is_compiler_failure(e)

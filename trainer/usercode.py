@@ -13,11 +13,12 @@ import importlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torchyard.trainer.failures import UserCodeError, add_user_root
+from torchyard.trainer.failures import UserCodeError, add_user_root, keeps_its_kind
 
 
 def load_factory(name: str) -> Callable[..., Any]:
@@ -66,8 +67,23 @@ def call_user(what: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
         raise _failed(what, e) from e
 
 
-def _failed(what: str, e: BaseException) -> UserCodeError:
+@contextmanager
+def first_pass(model: str, what: str, run_dir: Path) -> Iterator[None]:
+    """Around the first `what` (a training step, an evaluation batch) of the user's model
+    `model`. A factory may build nothing but torch modules, so no frame of the user's is in
+    the traceback; a shape, dtype or device mismatch there is still their model's, and
+    fails every attempt the same way. Faults that have a kind of their own keep it."""
+    try:
+        yield
+    except Exception as e:
+        if keeps_its_kind(e, run_dir):
+            raise
+        said = f"model {model} failed in its first {what}: {type(e).__name__}: {e}"
+        raise _failed(f"running the first {what} of model {model}", e, said) from e
+
+
+def _failed(what: str, e: BaseException, message: str | None = None) -> UserCodeError:
     # The user needs their own traceback: into the job log (stderr), once.
     print(f"trainer: user code failed while {what}:", file=sys.stderr)
     traceback.print_exception(e, file=sys.stderr)
-    return UserCodeError(f"{what}: {type(e).__name__}: {e}")
+    return UserCodeError(message or f"{what}: {type(e).__name__}: {e}")

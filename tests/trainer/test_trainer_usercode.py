@@ -41,6 +41,9 @@ class WrongShapes(nn.Module):
 
 def wrong_shapes(in_shape, num_classes):
     return WrongShapes()
+
+def torch_only(in_shape, num_classes):
+    return nn.Sequential(nn.Linear(64, 10))  # no Flatten: digits' [1, 8, 8] is 8 wide
 """
 BUNDLE_DATA = """
 import torch
@@ -186,6 +189,62 @@ def test_user_code_errors_fail_the_job_as_user_code(
         assert 'in broken\n    raise RuntimeError("my model is broken")' in err_text
     if model == "mymodels:wrong_shapes":
         assert "in forward\n    return self.lin(x.flatten(1))" in err_text
+
+
+def test_a_torch_only_user_model_failing_its_first_step_is_user_code(
+    tmp_path: Path, bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The factory only built torch modules: no frame of the user's file in the traceback,
+    and still their model's shape mismatch, which would fail every retry the same way."""
+    spec = make_spec(model={"name": "mymodels:torch_only"}, batch_size=128)
+    code, ev = train_in_process(spec, tmp_path / "run")
+    err = _error(ev)
+    assert (code, err["kind"], err["step"]) == (exitcodes.FAILED, "user_code", 0)
+    assert err["message"] == (
+        "model mymodels:torch_only failed in its first training step: RuntimeError: mat1 and "
+        "mat2 shapes cannot be multiplied (1024x8 and 64x10)"
+    )
+    assert "user code failed while running the first training step" in capsys.readouterr().err
+
+
+def _linear_raises(monkeypatch: pytest.MonkeyPatch, error: Exception, eval_only: bool) -> None:
+    """Every nn.Linear fails (in evaluation alone: under no_grad), raised from torch's frames
+    and this file's, never a bundle's."""
+
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if eval_only and torch.is_grad_enabled():
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        raise error
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", forward)
+
+
+SHAPES = "mat1 and mat2 shapes cannot be multiplied (1024x8 and 64x10)"
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "eval_only", "kind"),
+    [
+        ("mymodels:build", RuntimeError(SHAPES), True, "user_code"),  # its first evaluation
+        ("mlp", RuntimeError(SHAPES), False, "internal"),  # our model: our bug, retried
+        # Faults of the machine keep their kinds, whoever's model was running.
+        ("mymodels:build", RuntimeError("CUDA error: an illegal memory access"), False,
+         "internal"),
+        ("mymodels:build", torch.OutOfMemoryError("CUDA out of memory"), False,
+         "out_of_memory"),
+    ],
+)  # fmt: skip
+def test_first_pass_failures_by_whose_model(
+    tmp_path: Path, bundle: Path, monkeypatch: pytest.MonkeyPatch, model: str,
+    error: Exception, eval_only: bool, kind: str,
+) -> None:  # fmt: skip
+    _linear_raises(monkeypatch, error, eval_only)
+    code, ev = train_in_process(make_spec(model={"name": model}, epochs=1), tmp_path / "run")
+    err = _error(ev)
+    assert err["kind"] == kind and str(error) in err["message"]
+    if eval_only:
+        assert err["message"].startswith("model mymodels:build failed in its first evaluation")
+    assert code == (exitcodes.OUT_OF_MEMORY if kind == "out_of_memory" else exitcodes.FAILED)
 
 
 def test_warm_start_from_another_jobs_weights(tmp_path: Path) -> None:
