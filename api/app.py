@@ -26,6 +26,7 @@ from torchyard.api.routers import (
     audit,
     bundles,
     checkpoints,
+    datasets,
     health,
     job_data,
     job_edits,
@@ -175,8 +176,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     # The dashboard (ui: its page and logins, ui_jobs: its table) last: its page paths
     # never shadow an API route.
-    routers = (jobs, job_edits, job_data, job_events, checkpoints, bundles, workers, users, queue,
-               health, meta, sweeps, tokens, audit, projects, webhooks, sso, ui_jobs, ui)  # fmt: skip
+    routers = (jobs, job_edits, job_data, job_events, checkpoints, bundles, datasets, workers,
+               users, queue, health, meta, sweeps, tokens, audit, projects, webhooks, sso, ui_jobs, ui)  # fmt: skip
     for module in routers:
         app.include_router(module.router)
     if settings.api_docs:
@@ -187,12 +188,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # JSON bodies nested too deep: 422 before any parser recurses (innermost: a body is read
     # only once the size limit and the shedder let the request in).
     app.add_middleware(
-        JsonDepthLimit, max_depth=settings.max_json_depth, skip=(bundles.UPLOAD_PATH,)
+        JsonDepthLimit,
+        max_depth=settings.max_json_depth,
+        skip=(bundles.UPLOAD_PATH, datasets.UPLOAD_PATH),
     )
     app.add_middleware(ShedLoad, max_waiting=SHED_WAITING_PER_THREAD * settings.api_threads)
-    # Bundle uploads stream to disk under their own, larger limit, enforced by their route.
+    # Bundle and data set uploads stream to disk under their own, larger limits, enforced
+    # by their routes.
     app.add_middleware(
-        BodyLimit, max_bytes=settings.max_body_bytes, own_limit=(bundles.UPLOAD_PATH,)
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        own_limit=(bundles.UPLOAD_PATH, datasets.UPLOAD_PATH),
     )
     app.add_middleware(PrometheusMetrics, registry=registry)
     app.add_middleware(HtmlPolicy)  # any HTML answer without a CSP gets the dashboard's

@@ -4,7 +4,7 @@ client/cmd_jobs.py (submit, status, list, cancel, logs), client/cmd_organise.py 
 archive, delete, rerun), client/cmd_results.py (metrics, download), client/cmd_pool.py
 (workers, quota, queue), client/cmd_sweeps.py (sweep …),
 client/cmd_tokens.py (token list|create|revoke), client/cmd_users.py (user set|link),
-client/cmd_audit.py (audit),
+client/cmd_audit.py (audit), client/cmd_data.py (data upload),
 client/cmd_projects.py (project create|list|show|add|remove),
 client/cmd_login.py (login); --follow is
 client/follow.py. The server's URL and token are
@@ -37,6 +37,7 @@ from torchyard.client.cli_common import (
     note,
 )
 from torchyard.client.cmd_audit import add_audit_command
+from torchyard.client.cmd_data import add_data_commands
 from torchyard.client.cmd_jobs import add_job_commands, describe_job
 from torchyard.client.cmd_login import add_login_command
 from torchyard.client.cmd_organise import add_organise_commands
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_audit_command(sub, common)
     add_project_commands(sub, common)
     add_webhook_commands(sub, common)
+    add_data_commands(sub, common)
     add_login_command(sub)
     return p
 

@@ -1,6 +1,8 @@
 """`torchyard data import NAME FILE…`: put MNIST, Fashion-MNIST or CIFAR-10 into the data root
-of a server that cannot download them; `torchyard data upload DIR --name NAME`: an ImageFolder
-set (`imagefolder/NAME`); `torchyard data list`.
+of a server that cannot download them; `torchyard data upload DIR --name NAME --local` (or
+`--data-root DIR`): an ImageFolder set (`imagefolder/NAME`) copied on this host (without
+either, torchyard/cli.py sends it to the server's API instead: client/cmd_data.py);
+`torchyard data list`, imagefolder sets included.
 
 With an object store (TORCHYARD_STORAGE_URL=s3://…) both publish the set to the store instead
 of the local data root (storage/datasets.py: content-addressed blobs, then the manifest), and
@@ -363,20 +365,28 @@ def upload_to_store(storage: Storage, folder: Path, name: str, force: bool = Fal
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchyard data",
-        description="data sets: in the server's data root (TORCHYARD_DATA_ROOT), or in the "
-        "object store (TORCHYARD_STORAGE_URL=s3://…), from which every worker pulls them",
+    # Accepted before the action and after it (`data upload DIR --data-root D`): SUPPRESS
+    # keeps an action's parser from overwriting what the top-level one parsed.
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--data-root", type=Path, default=argparse.SUPPRESS, help="default: TORCHYARD_DATA_ROOT"
     )
-    parser.add_argument("--data-root", type=Path, help="default: TORCHYARD_DATA_ROOT")
-    parser.add_argument(
+    where.add_argument(
         "--local",
         action="store_true",
+        default=argparse.SUPPRESS,
         help="write into the data root even when the storage is an object store",
+    )
+    parser = argparse.ArgumentParser(
+        prog="torchyard data",
+        parents=[where],
+        description="data sets on this host: in its data root (TORCHYARD_DATA_ROOT), or in "
+        "the object store (TORCHYARD_STORAGE_URL=s3://…), from which every worker pulls them",
     )
     sub = parser.add_subparsers(dest="action", required=True)
     imp = sub.add_parser(
         "import",
+        parents=[where],
         help="check official archives against torchvision's checksums and unpack them",
         description="mnist, fashion_mnist: the four *-ubyte.gz files; "
         "cifar10: cifar-10-python.tar.gz. A folder holding them will do.",
@@ -386,12 +396,18 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--force", action="store_true", help="replace the set if it is there")
     up = sub.add_parser(
         "upload",
-        help="an ImageFolder set (DIR/train/<class>/<image>…, DIR/val/…) as imagefolder/NAME",
+        parents=[where],
+        help="an ImageFolder set (DIR/train/<class>/<image>…, DIR/val/…) as imagefolder/NAME, "
+        "copied on this host (without --local or --data-root it goes to the server's API)",
     )
     up.add_argument("dir", metavar="DIR", type=Path)
     up.add_argument("--name", required=True, help="the set is then data.name imagefolder/NAME")
     up.add_argument("--force", action="store_true", help="replace the set if it is there")
-    sub.add_parser("list", help="which data sets the data root (and the object store) hold")
+    sub.add_parser(
+        "list",
+        parents=[where],
+        help="which data sets the data root (and the object store) hold",
+    )
     return parser
 
 
@@ -403,11 +419,28 @@ def _object_store(local: bool) -> Storage | None:
     return None if storage.stored_run_dirs else storage
 
 
+def imagefolder_sets(root: Path) -> list[tuple[str, Path]]:
+    """The `imagefolder/<dir>` sets in `root`: folders (not a built-in set's, not hidden:
+    staging folders are) holding train/ and val/."""
+    if not root.is_dir():
+        return []
+    found = []
+    for d in sorted(root.iterdir()):
+        if d.name.startswith(".") or d.name in BUILTIN_FOLDERS or d.is_symlink():
+            continue
+        if all((d / s).is_dir() and not (d / s).is_symlink() for s in ("train", "val")):
+            found.append((f"imagefolder/{d.name}", d))
+    return found
+
+
 def _list(root: Path, storage: Storage | None) -> None:
     for name, spec in IMPORTS.items():
         missing = missing_dataset_files(name, root)
         state = "missing " + ", ".join(p.name for p in missing) if missing else "present"
         print(f"{name:<14} {root / spec.folder}: {state}")
+    for name, folder in imagefolder_sets(root):
+        classes = sum(1 for c in (folder / "train").iterdir() if c.is_dir())
+        print(f"{name:<14} {folder}: present ({classes} classes)")
     if storage is None:
         return
     print(f"in the object store ({storage.describe('datasets')}):")
@@ -444,10 +477,11 @@ def _run(args: argparse.Namespace, root: Path, storage: Storage | None) -> str:
 
 def data_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    root: Path = (args.data_root or get_settings().data).resolve()
+    given: Path | None = getattr(args, "data_root", None)
+    root: Path = (given or get_settings().data).resolve()
     storage: Storage | None = None
     try:
-        storage = _object_store(args.local)
+        storage = _object_store(getattr(args, "local", False))
         if args.action == "list":
             _list(root, storage)
             return EXIT_OK

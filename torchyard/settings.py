@@ -127,6 +127,9 @@ class Settings(BaseSettings):
     max_bundle_bytes: int = Field(default=200 * 1024**2, ge=1024)
     """TORCHYARD_MAX_BUNDLE_BYTES: largest code bundle, both as uploaded (gzip, 413) and
     unpacked (422), so a small archive that inflates cannot fill the workers' disks."""
+    max_dataset_upload_bytes: int = Field(default=16 * 1024**3, ge=1024)
+    """TORCHYARD_MAX_DATASET_UPLOAD_BYTES: largest ImageFolder set sent to POST /v1/datasets
+    (`torchyard data upload`), both as sent (413) and unpacked (422)."""
     max_bundle_storage_bytes: int = Field(default=2 * 1024**3, ge=1024)
     """TORCHYARD_MAX_BUNDLE_STORAGE_BYTES: the bytes of code bundles (as uploaded) one user
     may keep; an upload past it is refused (413) until old bundles are removed."""

@@ -13,7 +13,6 @@ removes bundles unused for TORCHYARD_BUNDLE_RETENTION_S: store/bundles.py).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from torchyard.api.deps import CurrentUser, Principal, ReadSessionDep, SettingsDep, actor_of
 from torchyard.api.errors import ApiError, not_found, responses, validation_error
 from torchyard.api.schemas import BundleOut
+from torchyard.api.uploads import check_gzip_headers, receive_to
 from torchyard.settings import Settings
 from torchyard.storage import Storage, storage_for
 from torchyard.storage.keys import BUNDLES
@@ -52,11 +52,6 @@ router = APIRouter(prefix="/v1/bundles", tags=["bundles"])
 # The upload route limits its own body (TORCHYARD_MAX_BUNDLE_BYTES), not the JSON limit of
 # the BodyLimit middleware: app.py exempts this path there.
 UPLOAD_PATH = "/v1/bundles"
-# application/x-gzip is the same format under its older name (some tools still send it).
-GZIP_TYPES = frozenset({"application/gzip", "application/x-gzip"})
-# Received bytes are written out in blocks this large, each in a worker thread: the event
-# loop never blocks on the disk, and a 200 MiB upload costs ~200 thread hops, not ~3000.
-WRITE_BLOCK = 1 << 20
 
 
 def _too_large(limit: int) -> ApiError:
@@ -104,44 +99,10 @@ def _quota_check(
         raise _over_quota(BundleQuotaExceeded(used, size, quota))
 
 
-def _check_headers(request: Request, limit: int) -> None:
-    """415 for a body that is not declared gzip; 413 before reading anything for a declared
-    Content-Length over the limit (a chunked body is counted as it arrives)."""
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type not in GZIP_TYPES:
-        raise ApiError(
-            415,
-            f"a bundle is sent as Content-Type application/gzip, not {media_type or 'none'!r}",
-        )
-    try:
-        declared = int(request.headers.get("content-length", "0"))
-    except ValueError:
-        declared = 0
-    if declared > limit:
-        raise _too_large(limit)
-
-
 def _open_temp(storage: Storage) -> tuple[IO[bytes], Path]:
     tmp_dir = storage.staging_dir(BUNDLES)
     fd, name = tempfile.mkstemp(dir=tmp_dir, prefix="upload-", suffix=".tar.gz")
     return os.fdopen(fd, "wb"), Path(name)
-
-
-async def _receive(request: Request, out: IO[bytes], limit: int) -> tuple[int, str]:
-    """Stream the body into `out`: (bytes received, their sha256). 413 as soon as the
-    count passes `limit`, without reading the rest."""
-    digest, size, block = hashlib.sha256(), 0, bytearray()
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        digest.update(chunk)
-        block += chunk
-        if len(block) >= WRITE_BLOCK:
-            await run_in_threadpool(out.write, bytes(block))
-            block.clear()
-    await run_in_threadpool(out.write, bytes(block))
-    return size, digest.hexdigest()
 
 
 def _check(path: Path, settings: Settings) -> Manifest:
@@ -230,12 +191,12 @@ async def upload_bundle(
     request: Request, response: Response, user: CurrentUser, settings: SettingsDep
 ) -> BundleOut:
     _may_upload(user)
-    _check_headers(request, settings.max_bundle_bytes)
+    check_gzip_headers(request, settings.max_bundle_bytes, "a bundle", _too_large)
     out, tmp = await run_in_threadpool(_open_temp, storage_for(settings))
     state = request.app.state
     try:
         try:
-            size, bundle_id = await _receive(request, out, settings.max_bundle_bytes)
+            size, bundle_id = await receive_to(request, out, settings.max_bundle_bytes, _too_large)
         finally:
             await run_in_threadpool(out.close)
         await run_in_threadpool(

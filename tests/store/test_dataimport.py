@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.imagefolders import PNG, make_imagefolder
 
 from torchyard.cli import main as torchyard_main
 from torchyard.contracts.datasets import missing_dataset_files
@@ -240,21 +241,11 @@ def test_the_module_does_not_load_torch() -> None:
 
 # ---------------------------------------------------------------- data upload (ImageFolder)
 
-PNG = b"\x89PNG\r\n\x1a\n" + bytes(16)  # only the name matters to the checks
-
-
-def _imagefolder(folder: Path, classes: tuple[str, ...] = ("cat", "dog")) -> Path:
-    for split in ("train", "val"):
-        for c in classes:
-            (folder / split / c).mkdir(parents=True, exist_ok=True)
-            (folder / split / c / f"{split}-{c}.png").write_bytes(PNG + c.encode())
-    return folder
-
 
 def test_upload_copies_an_imagefolder_set_into_the_data_root(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    src = _imagefolder(tmp_path / "pets")
+    src = make_imagefolder(tmp_path / "pets")
     root = tmp_path / "data"
     argv = ["--data-root", str(root), "upload", str(src), "--name", "pets"]
     assert data_main(argv) == 0
@@ -282,7 +273,7 @@ def test_upload_copies_an_imagefolder_set_into_the_data_root(
 def test_upload_refuses_what_the_trainer_could_not_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, message: str
 ) -> None:
-    src = _imagefolder(tmp_path / "pets")
+    src = make_imagefolder(tmp_path / "pets")
     damage(src)
     root = tmp_path / "data"
     assert data_main(["--data-root", str(root), "upload", str(src), "--name", "pets"]) == 2
@@ -297,10 +288,41 @@ def test_upload_refuses_what_the_trainer_could_not_read(
 def test_upload_refuses_bad_names(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, message: str
 ) -> None:
-    src = _imagefolder(tmp_path / "pets")
+    src = make_imagefolder(tmp_path / "pets")
     argv = ["--data-root", str(tmp_path / "data"), "upload", str(src), "--name", name]
     assert data_main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["data", "--data-root", "{root}", "upload", "{src}", "--name", "pets"],  # README's
+        ["data", "upload", "{src}", "--name", "pets", "--data-root", "{root}"],  # was refused
+        ["data", "upload", "--data-root={root}", "{src}", "--name", "pets"],
+    ],
+)
+def test_data_root_is_accepted_before_and_after_the_action(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """Issue 44: `data upload … --data-root DIR` (where the help put it) was a usage error."""
+    src, root = make_imagefolder(tmp_path / "pets"), tmp_path / "data"
+    argv = [a.format(root=root, src=src) for a in argv]
+    assert torchyard_main(argv) == 0, capsys.readouterr().err
+    assert (root / "pets/train/cat/train-cat.png").is_file()
+    assert data_main(["list", "--data-root", str(root)]) == 0
+
+
+def test_list_shows_imagefolder_sets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44: `data list` named only the torchvision sets, never an uploaded one."""
+    root, src = tmp_path / "data", make_imagefolder(tmp_path / "pets")
+    assert data_main(["--data-root", str(root), "upload", str(src), "--name", "pets"]) == 0
+    (root / "notaset").mkdir()  # no train/ and val/: not listed
+    capsys.readouterr()
+    assert data_main(["--data-root", str(root), "list"]) == 0
+    out = capsys.readouterr().out
+    assert f"imagefolder/pets {root / 'pets'}: present (2 classes)" in out
+    assert "notaset" not in out
 
 
 # ---------------------------------------------------------------- with an object store
@@ -357,7 +379,7 @@ def test_import_publishes_to_the_object_store_and_a_host_pulls_it(
 def test_upload_and_list_with_the_object_store(
     tmp_path: Path, object_store: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    src = _imagefolder(tmp_path / "pets")
+    src = make_imagefolder(tmp_path / "pets")
     assert data_main(["upload", str(src), "--name", "pets"]) == 0
     assert "imagefolder/pets: stored: datasets/imagefolder/pets.json (4 files" in (
         capsys.readouterr().out
