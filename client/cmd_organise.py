@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from torchyard.client.cli_common import EXIT_FAIL, EXIT_OK, JOB_HELP
+from torchyard.client.cli_common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, JOB_HELP, err
 from torchyard.client.cmd_jobs import announce_submitted
 from torchyard.client.errors import TorchyardError
 from torchyard.client.sdk import Client, rerun_spec
@@ -41,7 +41,12 @@ def add_organise_commands(cmd: Callable[..., Any]) -> None:
 
     sp = cmd("delete", cmd_delete, "delete an ended job, its records and files, for good")
     sp.add_argument("job", help=JOB_HELP)
-    sp.add_argument("-y", "--yes", action="store_true", help="do not ask first (on a terminal)")
+    sp.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help="do not ask first (needed when stdin is no terminal)",
+    )
 
     sp = cmd("rerun", cmd_rerun, "submit a job's spec again, with changes; prints the new job id")
     sp.add_argument("job", help=JOB_HELP)
@@ -104,8 +109,12 @@ def cmd_archive(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_delete(client: Client, args: argparse.Namespace) -> int:
+    if not args.yes and not sys.stdin.isatty():
+        # A script or a pipe cannot answer the question: deleting unasked would be a guess.
+        err("delete asks first, and stdin is not a terminal to ask on: pass --yes")
+        return EXIT_USAGE
     job = client.job(args.job)
-    if not args.yes and sys.stdin.isatty():
+    if not args.yes:
         question = (
             f"Delete job {job['id']} ({job.get('name')}, {job.get('state')}) with its "
             "checkpoints, metrics and logs, for good? [y/N] "

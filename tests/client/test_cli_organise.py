@@ -118,3 +118,16 @@ def test_delete_an_ended_job_asking_first_on_a_terminal(
     assert rc == 0 and out.endswith(f"deleted {job}\n")
     assert run("status", job)[0] == 1  # not found
     assert store.state(job) is None
+
+
+def test_delete_without_yes_refuses_when_stdin_is_no_terminal(
+    run: Run, ty: Client, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = ty.submit(SPEC)["id"]
+    store.run(job)
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # piped: nobody to ask
+    rc, out, err = run("delete", job[:8])
+    assert (rc, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith("error: ") and "not a terminal" in err and "--yes" in err
+    assert ty.job(job)["state"] == "succeeded"  # still there
+    assert run("delete", job[:8], "--yes")[:2] == (0, f"deleted {job}\n")
