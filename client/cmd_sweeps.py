@@ -11,6 +11,7 @@ from typing import Any
 
 from torchyard.client import render
 from torchyard.client.cli_common import EXIT_OK, FULL_ID, age, cancel_message, print_json, show
+from torchyard.client.cmd_jobs import _say_packed  # what --code sent, as submit says it
 from torchyard.client.errors import NotFound
 from torchyard.client.follow import follow_sweep
 from torchyard.client.sdk import Client, load_spec, match_prefix
@@ -34,6 +35,12 @@ def add_sweep_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 
     sp = action("create", cmd_sweep_create, "start a sweep (JSON or YAML file); prints its id")
     sp.add_argument("file", help="path to the sweep file (.json, .yaml or .yml)")
+    sp.add_argument(
+        "--code",
+        metavar="DIR",
+        help="every trial runs the code in DIR: packed and uploaded once as `submit --code` "
+        "does, set as the base spec's code.bundle (over one the file names)",
+    )
     sp.add_argument("-f", "--follow", action="store_true", help=_SWEEP_FOLLOW)
     sp.add_argument("--interval", type=float, default=2.0, help=_SWEEP_INTERVAL)
     sp.add_argument("--json", action="store_true", help="print the created sweep as JSON")
@@ -51,7 +58,7 @@ def add_sweep_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_sweep_create(client: Client, args: argparse.Namespace) -> int:
-    sweep = client.create_sweep(load_spec(args.file))
+    sweep = client.create_sweep(load_spec(args.file), code=args.code, on_packed=_say_packed)
     if args.json:
         print_json(sweep)
     else:

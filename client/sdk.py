@@ -783,12 +783,26 @@ class Client:
 
     # -- sweeps -----------------------------------------------------------------------------
 
-    def create_sweep(self, sweep: Mapping[str, Any]) -> dict:
+    def create_sweep(
+        self,
+        sweep: Mapping[str, Any],
+        code: str | Path | None = None,
+        *,
+        on_packed: Callable[[Packed, int, bool], None] | None = None,
+    ) -> dict:
         """POST a sweep (`name`, `spec`, `space`, `objective`, `trials`, `parallel`, `sampler`,
-        `pruner`, `seed`); returns it. Its trials are jobs of yours, queued by the scheduler."""
+        `pruner`, `seed`); returns it. Its trials are jobs of yours, queued by the scheduler.
+
+        `code`: a directory every trial runs with, pushed once as `submit(code=)` pushes it
+        and named as the base spec's `code.bundle` (over any bundle the spec names, as
+        submit does; `sweep` is left as it was). A space that varies `code` is InvalidSpec."""
         body = dict(sweep)
         if isinstance(body.get("spec"), Mapping):
             body["spec"] = self._full_init(body["spec"])
+            if code is not None:
+                _no_code_in_space(body.get("space"))  # before anything is uploaded
+                bundle = self.push_code(code, on_packed=on_packed)
+                body["spec"] = {**body["spec"], "code": {"bundle": bundle}}
         return self._json("POST", "/v1/sweeps", json=body)
 
     def get_sweep(self, sweep_id: str) -> dict:
@@ -1077,6 +1091,19 @@ def _webhook_as_listed(hook: Mapping[str, Any]) -> dict[str, Any]:
 
 def _not_found(message: str) -> Exception:
     return error_for(404, {"error": {"code": "not_found", "message": message}})
+
+
+def _no_code_in_space(space: Any) -> None:
+    """A sweep given `code=` runs that bundle in every trial; a space that varies `code`
+    (or `code.bundle`) would run others: refused (422-shaped, before any upload)."""
+    keys = (
+        [k for k in space if str(k).split(".")[0] == "code"] if isinstance(space, Mapping) else []
+    )
+    if keys:
+        why = "varies the code bundle, but --code (code=) runs one in every trial: use either"
+        details = [{"field": f"space.{k}", "message": why} for k in keys]
+        err = {"code": "validation_error", "message": "invalid sweep", "details": details}
+        raise error_for(422, {"error": err})
 
 
 def _last_lines(text: str, lines: int, at_start: bool, final: bool) -> str | None:

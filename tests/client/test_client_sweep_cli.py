@@ -12,22 +12,26 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import test_client_bundle_submit
 import test_client_cli
 from client_server import Store
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from torchyard.client import render
+from torchyard.client.bundle import bundle_id, pack
 from torchyard.client.cli import describe_sweep
-from torchyard.client.errors import InvalidSpec
+from torchyard.client.errors import InvalidSpec, NotFound
 from torchyard.client.sdk import Client
 from torchyard.scheduler.sweeps import SweepController
 from torchyard.settings import Settings
 from torchyard.store.db import session_scope
-from torchyard.store.models import Job
+from torchyard.store.models import Job, Sweep
 
 Run = test_client_cli.Run
 run = test_client_cli.run  # the fixture: run(*argv) -> (exit code, stdout, stderr)
+coder = test_client_bundle_submit.coder  # a token that may run code
+code_dir = test_client_bundle_submit.code_dir  # train.py, and data.bin that it ignores
 
 SWEEP_YAML = """\
 name: lr-search
@@ -191,3 +195,81 @@ def test_follow_on_a_terminal_redraws_in_place(
     stream = Tty()
     assert follow_sweep(ty, sweep_id, interval_s=0.05, stream=stream) == 0
     assert "\x1b[" in stream.getvalue() and "succeeded" in stream.getvalue()
+
+
+# -- sweep create --code: a script sweep with its bundle --------------------------------------
+
+SCRIPT_SWEEP_YAML = """\
+name: script-search
+spec:
+  entrypoint: {script: train.py}
+space:
+  entrypoint.args: {type: categorical, choices: [['--lr', '0.1'], ['--lr', '0.01']]}
+objective: {metric: val/score, mode: max}
+trials: 2
+parallel: 2
+sampler: grid
+"""
+
+
+def _script_sweep(tmp_path: Path, text: str = SCRIPT_SWEEP_YAML) -> Path:
+    p = tmp_path / "script_sweep.yaml"
+    p.write_text(text)
+    return p
+
+
+def _stored(store: Store, sweep_id: str) -> tuple[dict, list[dict]]:
+    """The sweep's stored base spec and the specs of its trial jobs so far."""
+    with session_scope(store.url) as s:
+        spec = s.scalar(select(Sweep.spec).where(Sweep.id == sweep_id))
+        trials = s.scalars(select(Job.spec).where(Job.sweep_id == sweep_id)).all()
+    assert spec is not None
+    return spec, list(trials)
+
+
+def test_create_with_code_runs_the_bundle_in_every_trial(
+    run: Run, tmp_path: Path, code_dir: Path, coder: str, store: Store, settings: Settings,
+    http: TestClient,
+) -> None:  # fmt: skip
+    rc, out, err = run("sweep", "create", str(_script_sweep(tmp_path)), "--code", str(code_dir),
+                       token=coder)  # fmt: skip
+    assert rc == 0, err
+    (sweep_id,) = out.split()
+    bid = bundle_id(pack(code_dir))
+    assert "code: " in err and "uploaded" in err  # said as submit says it
+    spec, _ = _stored(store, sweep_id)
+    assert spec == {"entrypoint": {"script": "train.py"}, "code": {"bundle": bid}}
+    # The bundle is the user's on the server: train.py and .torchyardignore, not data.bin.
+    assert Client(token=coder, http=http).bundle(bid)["files"] == 2
+    SweepController(settings).run_pass()  # queues the trials
+    _, trials = _stored(store, sweep_id)
+    assert len(trials) == 2 and all(t["code"] == {"bundle": bid} for t in trials)
+
+
+def test_create_with_code_over_a_named_bundle_and_a_space_of_bundles(
+    run: Run, tmp_path: Path, code_dir: Path, coder: str, store: Store, http: TestClient
+) -> None:
+    ty = Client(token=coder, http=http)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.py").write_text("print('an older script')\n")
+    old = ty.push_code(other)
+    named = SCRIPT_SWEEP_YAML.replace("spec:\n", f"spec:\n  code: {{bundle: {old}}}\n")
+    # The flag wins over the file's bundle, as `submit --code` wins over the spec's.
+    rc, out, err = run("sweep", "create", str(_script_sweep(tmp_path, named)),
+                       "--code", str(code_dir), token=coder)  # fmt: skip
+    assert rc == 0, err
+    spec, _ = _stored(store, out.strip())
+    assert spec["code"] == {"bundle": bundle_id(pack(code_dir))}
+    # A space that varies the bundle cannot run one bundle in every trial: refused, and
+    # nothing is uploaded.
+    (code_dir / "train.py").write_text("print('changed')\n")
+    varied = SCRIPT_SWEEP_YAML.replace(
+        "space:\n", f"space:\n  code.bundle: {{type: categorical, choices: [{old}]}}\n"
+    )
+    rc, out, err = run("sweep", "create", str(_script_sweep(tmp_path, varied)),
+                       "--code", str(code_dir), token=coder)  # fmt: skip
+    assert (rc, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith("error: 422 ") and "space.code.bundle" in err and "--code" in err
+    with pytest.raises(NotFound):
+        ty.bundle(bundle_id(pack(code_dir)))
