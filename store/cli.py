@@ -55,15 +55,55 @@ def db_main(argv: list[str]) -> int:
 
 
 def _say_each_migration() -> None:
-    """Alembic's `Running upgrade A -> B, …` lines on stderr: which migrations this
-    process ran (none when another upgrade had run them), for the operator and the logs."""
+    """One line on stderr per migration this process ran (none when another upgrade had
+    run them), for the operator and the logs: Alembic's `Running upgrade A -> B, …` with
+    the migration's title in place of its docstring's whole first paragraph."""
     log = logging.getLogger("alembic.runtime.migration")
     log.setLevel(logging.INFO)
     if not any(getattr(h, "torchyard_migrations", False) for h in log.handlers):
-        handler = logging.StreamHandler()  # sys.stderr as it is at each record
-        handler.addFilter(lambda record: record.getMessage().startswith("Running "))
+        handler = _Stderr()
+        handler.addFilter(_migration_line)
         handler.torchyard_migrations = True  # type: ignore[attr-defined]
         log.addHandler(handler)
+
+
+class _Stderr(logging.Handler):
+    """sys.stderr as it is at each record, not when the handler was added (a StreamHandler
+    keeps the stream it was made with: a later command in this process, a test's, would
+    write to one that is gone)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def _migration_line(record: logging.LogRecord) -> bool:
+    """Keep only Alembic's `Running %s` records, each rewritten to one line."""
+    if not str(record.msg).startswith("Running "):
+        return False
+    step = record.args[0] if isinstance(record.args, tuple) and record.args else None
+    short = getattr(step, "short_log", None)  # "upgrade 0003 -> 0004"
+    if short is not None:
+        title = migration_title(getattr(step, "doc", None))
+        record.msg, record.args = f"Running {short}" + (f", {title}" if title else ""), ()
+    return True
+
+
+def migration_title(doc: str | None) -> str:
+    """A migration's title: its docstring's first line up to the colon that ends the
+    heading (`Teams: projects and …` is `Teams`); a colon inside `…` or (…) is the title's
+    own. A first line without one is the title whole, less its full stop."""
+    line = (doc or "").strip().split("\n", 1)[0]
+    depth, quoted = 0, False
+    for i, ch in enumerate(line):
+        if ch == "`":
+            quoted = not quoted
+        elif not quoted and ch in "([":
+            depth += 1
+        elif not quoted and ch in ")]":
+            depth -= 1
+        elif ch == ":" and not quoted and depth == 0:
+            return line[:i].strip()
+    return line.strip().rstrip(".")
 
 
 @contextlib.contextmanager

@@ -164,3 +164,27 @@ def test_projects_migration_moves_existing_jobs_and_sweeps(empty_url: str) -> No
     assert len(_rows(empty_url, "SELECT id FROM jobs")) == 3
     migrate.upgrade(empty_url)
     assert _diff(empty_url) == []
+
+
+def test_db_upgrade_says_one_line_per_migration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each migration it ran as its revisions and its title (the docstring's heading), not
+    the docstring's whole first paragraph; a colon inside `…` or (…) is the title's own."""
+    from torchyard.settings import get_settings
+    from torchyard.store.cli import db_main
+
+    monkeypatch.setenv("TORCHYARD_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
+    get_settings.cache_clear()
+    try:
+        assert db_main(["upgrade"]) == 0
+        lines = capsys.readouterr().err.splitlines()
+    finally:
+        get_settings.cache_clear()
+    revisions = ScriptDirectory.from_config(migrate.alembic_config("sqlite://")).walk_revisions()
+    assert len(lines) == len(list(revisions)) + 1  # and "database at revision …"
+    assert all(ln.startswith("Running upgrade ") for ln in lines[:-1])
+    assert "Running upgrade 0003 -> 0004, The job's version" in lines
+    assert "Running upgrade 0015 -> 0016, Teams" in lines
+    assert ("Running upgrade 0018 -> 0019, Synchronous successive halving (`pruner: halving`, "
+            "store/pruning.py)") in lines  # fmt: skip
