@@ -29,6 +29,7 @@ from torchyard.client.logsearch import add_grep_options, cmd_grep
 from torchyard.client.sdk import TERMINAL_STATES, Client, load_spec
 from torchyard.client.specfile import print_warnings
 from torchyard.client.sysview import is_system
+from torchyard.contracts.plurals import plural
 
 _MAX_PAGE = 500  # the most jobs GET /v1/jobs answers with at once
 _INTERVAL_HELP = "--follow: at most one refresh of the job's progress per this many seconds"
@@ -146,9 +147,10 @@ BIG_FILE = 10 << 20  # a file this large in a code bundle is worth a word
 def _say_packed(p: Packed, compressed: int, uploaded: bool) -> None:
     """On stderr: what `--code` sent, so a stray data file or checkout does not go unseen."""
     how = "uploaded" if uploaded else "already on the server"
+    sizes = f"{render.human_bytes(p.raw_bytes)} ({render.human_bytes(compressed)} packed)"
     note(
-        f"code: {p.files} files, {render.human_bytes(p.raw_bytes)} ({render.human_bytes(compressed)} packed), "
-        f"{how}" + (f"; left out: {', '.join(p.left_out)}" if p.left_out else "")
+        f"code: {plural(p.files, 'file')}, {sizes}, {how}"
+        + (f"; left out: {', '.join(p.left_out)}" if p.left_out else "")
     )
     big = [(n, b) for n, b in p.largest if b >= BIG_FILE]
     if big:

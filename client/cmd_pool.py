@@ -22,6 +22,7 @@ from torchyard.client.cli_common import (
     show,
 )
 from torchyard.client.sdk import Client
+from torchyard.contracts.plurals import plural
 
 _QUOTA_FIELDS = ("max_workers", "max_queued", "share", "max_priority")
 _NO_LIMIT = ("none", "unlimited")
@@ -199,8 +200,8 @@ def describe_queue(q: dict, limit: int | None = None) -> RenderableType:
     """The queue as a table, then each user's usage and limits."""
     counts, items, unit = q.get("counts") or {}, q.get("items") or [], q.get("unit") or "worker"
     head = (
-        f"{counts.get('queued', 0)} queued jobs from {counts.get('users', 0)} users, "
-        f"{counts.get('mine', 0)} of them yours"
+        f"{plural(counts.get('queued', 0), 'queued job')} from "
+        f"{plural(counts.get('users', 0), 'user')}, {counts.get('mine', 0)} of them yours"
     )
     if limit is not None and len(items) >= limit:
         head += f" (the first {len(items)} shown; --limit for more)"
@@ -240,5 +241,5 @@ def _half_life(seconds: Any) -> str:
         return "?"
     days = seconds / 86_400
     if days >= 1 and days.is_integer():
-        return f"{days:g} day" + ("s" if days > 1 else "")
+        return plural(int(days), "day")
     return f"{seconds / 3600:g} h"

@@ -17,6 +17,7 @@ from pathlib import Path
 from torchyard.client.cli_common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, err, note
 from torchyard.client.sdk import Client
 from torchyard.client.tbevents import EventWriter
+from torchyard.contracts.plurals import plural
 
 EVENT_PREFIX = "events.out.tfevents."
 
@@ -109,6 +110,7 @@ def cmd_tensorboard(client: Client, args: argparse.Namespace) -> int:
         except (ExportRefused, OSError) as e:
             err(str(e))
             return EXIT_FAIL
-        print(f"{run.path}: {run.points} points of {run.series} series (job {run.job_id})")
+        counts = f"{plural(run.points, 'point')} of {plural(run.series, 'series', 'series')}"
+        print(f"{run.path}: {counts} (job {run.job_id})")
     note(f"look at them with: tensorboard --logdir {directory}")
     return EXIT_OK

@@ -10,4 +10,5 @@ without loading torch, and none of them owns them.
     exitcodes.py   the trainer's exit codes
     states.py      job, attempt and worker states as enums, with their transition tables
     parent.py      die with the parent (PR_SET_PDEATHSIG), for every child we start
+    plurals.py     counts in words (`plural(1, "worker")`: "1 worker"), for every part
 """

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from torchyard.contracts.plurals import plural
 from torchyard.store.pool import PoolProject, PoolUser
 from torchyard.store.queue import QueuedJob
 
@@ -123,7 +124,7 @@ class FairShare:
         if never := [lim for lim in limits if n > lim.cap]:
             lim = min(never, key=lambda x: x.cap)
             return (
-                f"quota: needs {n} workers but {lim.who}'s max_workers is {lim.cap}; "
+                f"quota: needs {plural(n, 'worker')} but {lim.who}'s max_workers is {lim.cap}; "
                 "it cannot start unless an admin raises the quota"
             )
         if full := [lim for lim in limits if lim.held + n > lim.cap]:

@@ -38,16 +38,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from torchyard.contracts.plurals import plural
 from torchyard.scheduler.fairshare import FairShare
 from torchyard.store.queue import FreeWorker, QueuedJob
 
 RESERVE_AFTER_S = 300.0
 
 Kind = tuple[str, str]
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def kind_of(device: str, device_name: str | None) -> Kind:

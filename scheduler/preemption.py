@@ -31,7 +31,8 @@ import math
 from datetime import UTC, datetime
 from typing import NamedTuple
 
-from torchyard.scheduler.policy import Kind, Pools, kind_of, plural
+from torchyard.contracts.plurals import plural
+from torchyard.scheduler.policy import Kind, Pools, kind_of
 from torchyard.store.pool import Preemption, RunningGang
 from torchyard.store.queue import QueuedJob
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from torchyard.contracts.parent import die_with_parent
+from torchyard.contracts.plurals import plural
 from torchyard.settings import private_umask
 
 READY_TIMEOUT_S = 90.0
@@ -259,7 +260,7 @@ class Up:
                 )
                 c.extra_env = {"CUDA_VISIBLE_DEVICES": ""}
                 self.children.append(c)
-            say(f"workers  {len(gpus)} GPU worker(s): {', '.join(map(str, gpus))}")
+            say(f"workers  {plural(len(gpus), 'GPU worker')}: {', '.join(map(str, gpus))}")
         else:
             n = 2 if self.args.workers is None else self.args.workers
             # CPU trainers share this host's cores: oversubscribed threads train many times
@@ -275,7 +276,7 @@ class Up:
                 )
                 c.extra_env = {"TORCHYARD_TRAINER_THREADS": threads}
                 self.children.append(c)
-            say(f"workers  {n} CPU worker slot(s)")
+            say(f"workers  {plural(n, 'CPU worker slot')}")
         self.env = dict(os.environ)
         # Children must agree with this process on every path, whatever their cwd.
         self.env["TORCHYARD_HOME"] = str(home)

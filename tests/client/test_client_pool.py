@@ -162,3 +162,11 @@ def test_sdk_quota_and_queue(http: TestClient, ty: Client, root: str, store: Sto
     jid = store.job("alice")
     q = ty.queue()
     assert [i["id"] for i in q["items"]] == [jid] and q["counts"]["mine"] == 1
+
+
+def test_one_of_a_count_is_singular(run: Run, store: Store) -> None:
+    job = store.job("alice", spec=SPEC | {"name": "a1"})
+    rc, out, err = run("queue")
+    assert rc == 0, err
+    assert out.splitlines()[0] == "1 queued job from 1 user, 0 of them yours"
+    assert job[:12] in out
