@@ -192,19 +192,23 @@ def cmd_list(client: Client, args: argparse.Namespace) -> int:
         states = " or ".join(args.state or [])
         print("no jobs" + (f" in state {states}" if states else ""))
         return EXIT_OK
-    rows = [
-        (
-            j["id"][:12],
-            j.get("name"),
-            j.get("state"),
-            j.get("attempt"),
-            _progress_short(j),
-            age(j.get("created_at")),
-        )
-        for j in jobs
-    ]
-    show(render.table(["ID", "NAME", "STATE", "ATTEMPT", "PROGRESS", "CREATED"], rows))
+    show(_list_table(jobs, archived=args.archived))
     return EXIT_OK
+
+
+def _list_table(jobs: list[dict], *, archived: bool) -> RenderableType:
+    """The jobs as `list` prints them; with --archived, an ARCHIVED column (yes or -) tells
+    the archived rows from the live ones, which otherwise look alike."""
+    headers = ["ID", "NAME", "STATE", "ATTEMPT", "PROGRESS", "CREATED"]
+    rows: list[tuple[Any, ...]] = [
+        (j["id"][:12], j.get("name"), j.get("state"), j.get("attempt"), _progress_short(j),
+         age(j.get("created_at")))
+        for j in jobs
+    ]  # fmt: skip
+    if archived:
+        headers.append("ARCHIVED")
+        rows = [(*r, "yes" if j.get("archived") else "-") for r, j in zip(rows, jobs, strict=True)]
+    return render.table(headers, rows)
 
 
 def _list_pages(client: Client, args: argparse.Namespace) -> tuple[list[dict], str | None]:

@@ -131,3 +131,14 @@ def test_delete_without_yes_refuses_when_stdin_is_no_terminal(
     assert err.startswith("error: ") and "not a terminal" in err and "--yes" in err
     assert ty.job(job)["state"] == "succeeded"  # still there
     assert run("delete", job[:8], "--yes")[:2] == (0, f"deleted {job}\n")
+
+
+def test_list_archived_marks_the_archived_rows(run: Run, ty: Client) -> None:
+    archived, live = ty.submit(SPEC)["id"], ty.submit(SPEC)["id"]
+    run("archive", archived)
+    rc, out, err = run("list", "--archived")
+    assert rc == 0, err
+    head, *rows = [line.split() for line in out.splitlines()]
+    assert head[-1] == "ARCHIVED"
+    assert {r[0]: r[-1] for r in rows} == {archived[:12]: "yes", live[:12]: "-"}
+    assert "ARCHIVED" not in run("list")[1]  # only archived rows could say yes
