@@ -84,6 +84,12 @@ class JobSummary(_Out):
     archived: bool = Field(description="hidden from default lists (POST .../archive)")
     archived_at: datetime | None
     rerun_of: str | None = Field(description="the job this one re-runs, if any")
+    sweep_id: str | None = Field(default=None, description="the sweep it is a trial of, if any")
+    pruned: bool = Field(
+        default=False,
+        description="its sweep's pruner stopped it at a rung: its state is cancelled (or "
+        "cancelling) though nobody cancelled it",
+    )
 
 
 class JobOut(JobSummary):

@@ -22,14 +22,18 @@ from torchyard.api.schemas import JobOut, JobSummary
 from torchyard.store.models import Job
 
 # Bump when a body's shape changes, so no client keeps a 304 for an older rendering.
-BODY_REVISION = "2"  # 2: reasons as the owner may see them
+BODY_REVISION = "3"  # 2: reasons as the owner may see them; 3: sweep_id and pruned
 
 _JOB_COLUMNS = (
     "id", "name", "state", "attempt", "spec", "pending_reason", "error", "created_at",
     "updated_at", "started_at", "finished_at", "priority", "world_size", "max_restarts",
-    "cancel_requested", "notes", "archived_at", "rerun_of",
+    "cancel_requested", "notes", "archived_at", "rerun_of", "sweep_id",
 )  # fmt: skip
 
+
+# A pruned trial is labelled so only while its cancel is what ended it (a trainer that
+# finished first makes it succeeded).
+_PRUNED_STATES = ("cancelling", "cancelled")
 
 _ID = r"[0-9a-f]{32}"
 # Other jobs, as the scheduler and the worker name them: "job <id>", "preempted by <id>",
@@ -77,7 +81,9 @@ def _waiting(n: int) -> str:
     )
 
 
-def _summary_fields(get: Callable[[str], Any], owner: str, project: str | None) -> dict[str, Any]:
+def _summary_fields(
+    get: Callable[[str], Any], owner: str, project: str | None, pruned: bool
+) -> dict[str, Any]:
     progress = get("progress")
     job_id = get("id")
     tags = get("tags")
@@ -91,19 +97,22 @@ def _summary_fields(get: Callable[[str], Any], owner: str, project: str | None) 
         # progress is the trainer's JSON: anything but an object shows as null
         "progress": progress if isinstance(progress, dict) else None,
         "owner": owner,
+        "pruned": bool(pruned) and get("state") in _PRUNED_STATES,
     }
 
 
-def job_summary(job: Job, owner: str, project: str | None) -> JobSummary:
-    """A listed job, from its row (the list has no attempts or metrics)."""
-    return JobSummary.model_validate(_summary_fields(lambda k: getattr(job, k), owner, project))
+def job_summary(job: Job, owner: str, project: str | None, pruned: bool = False) -> JobSummary:
+    """A listed job, from its row (the list has no attempts or metrics); `pruned`: it is a
+    trial its sweep's pruner stopped (store.jobs.pruned_jobs)."""
+    fields = _summary_fields(lambda k: getattr(job, k), owner, project, pruned)
+    return JobSummary.model_validate(fields)
 
 
 def job_out(row: Mapping[str, Any]) -> JobOut:
     """The one job body (submit, show, cancel), from store.jobs.job_snapshot's row."""
     return JobOut.model_validate(
         {
-            **_summary_fields(row.__getitem__, row["owner"], row["project"]),
+            **_summary_fields(row.__getitem__, row["owner"], row["project"], row["pruned"]),
             "latest_metrics": row["latest_metrics"],
             "attempts": [
                 {**a, "reason": owner_reason(a.get("reason"), row["id"], row["owner"])}

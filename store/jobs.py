@@ -17,7 +17,18 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Select, and_, bindparam, literal_column, or_, select, update
+from sqlalchemy import (
+    JSON,
+    Exists,
+    Select,
+    and_,
+    bindparam,
+    exists,
+    literal_column,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -25,12 +36,14 @@ from sqlalchemy.sql.elements import BindParameter
 
 from torchyard.store.dialect import is_postgres
 from torchyard.store.models import (
+    TRIAL_PRUNED,
     Attempt,
     IdempotencyKey,
     Job,
     JobEvent,
     JobTag,
     Project,
+    SweepTrial,
     User,
     utcnow,
 )
@@ -299,6 +312,28 @@ def list_jobs(
     return page, next_cursor
 
 
+def pruned_trial() -> Exists:
+    """The job (correlated: `Job.id`) is a sweep trial its pruner stopped at a rung. Its state
+    is then cancelling or cancelled; lists and pages say `pruned`, and no `job.cancelled`
+    webhook fires for it (the sweep's own event covers its trials)."""
+    # Our constant inline, not a bound parameter: the statement is also compiled once and
+    # run with the viewer's parameters alone (store/asyncreads.py).
+    pruned = literal_column(f"'{TRIAL_PRUNED}'")
+    return exists().where(SweepTrial.job_id == Job.id, SweepTrial.outcome == pruned)
+
+
+def pruned_jobs(session: Session, job_ids: Sequence[str]) -> set[str]:
+    """Which of `job_ids` are pruned trials (a page of a list: one query)."""
+    if not job_ids:
+        return set()
+    rows = session.scalars(
+        select(SweepTrial.job_id).where(
+            SweepTrial.job_id.in_(list(job_ids)), SweepTrial.outcome == TRIAL_PRUNED
+        )
+    )
+    return {j for j in rows if j is not None}
+
+
 def request_cancel(session: Session, job: Job, *, reason: str = "cancel requested") -> Job:
     """Record a cancel: queued→cancelled at once, starting/running→cancelling (the worker
     then stops the trainer). Idempotent for a job already cancelling or cancelled;
@@ -400,6 +435,7 @@ def snapshot_stmt(dialect: str, admin: bool) -> Select[Any]:
             Project.name.label("project"),
             literal_column(_ATTEMPTS_JSON.format(**funcs), JSON).label("attempts"),
             literal_column(_LATEST_JSON[dialect], JSON).label("latest_metrics"),
+            pruned_trial().label("pruned"),
         )
         .join(User, User.id == Job.owner_id)
         .outerjoin(Project, Project.id == Job.project_id)

@@ -482,6 +482,15 @@ class Sweep(Base):
     )
 
 
+# SweepTrial.outcome's values.
+TRIAL_COMPLETE, TRIAL_PRUNED, TRIAL_FAILED, TRIAL_CANCELLED = (
+    "complete",
+    "pruned",
+    "failed",
+    "cancelled",
+)
+
+
 class SweepTrial(Base):
     """One trial of a sweep: Optuna's trial `number`, the values it sampled and the job that
     runs them (None when they made an invalid spec). `outcome` is None while the trial runs,

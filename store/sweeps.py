@@ -26,7 +26,17 @@ from torchyard.store.db import PG_CONNECT_ARGS, get_engine
 from torchyard.store.dialect import is_postgres
 from torchyard.store.jobs import MAX_PAGE, Viewer, decode_cursor, encode_cursor, request_cancel
 from torchyard.store.metrics import query_series
-from torchyard.store.models import Job, Sweep, SweepTrial, User, utcnow
+from torchyard.store.models import (
+    TRIAL_CANCELLED,
+    TRIAL_COMPLETE,
+    TRIAL_FAILED,
+    TRIAL_PRUNED,
+    Job,
+    Sweep,
+    SweepTrial,
+    User,
+    utcnow,
+)
 from torchyard.store.projects import ensure_personal, project_names, visible_projects
 from torchyard.store.states import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL
 from torchyard.store.webhooks import enqueue_sweep_event
@@ -37,7 +47,12 @@ if TYPE_CHECKING:
 SWEEP_STATES = (RUNNING, SUCCEEDED, FAILED, CANCELLED)
 # A trial's outcome, once decided (None while it runs): what Optuna is told (a cancelled
 # trial is told FAIL: Optuna has no cancelled state).
-COMPLETE, PRUNED, FAIL, CANCELLED_TRIAL = "complete", "pruned", "failed", "cancelled"
+COMPLETE, PRUNED, FAIL, CANCELLED_TRIAL = (
+    TRIAL_COMPLETE,
+    TRIAL_PRUNED,
+    TRIAL_FAILED,
+    TRIAL_CANCELLED,
+)
 PAUSED = "paused"  # a status, not an outcome: undecided, waiting at a rung (pruner halving)
 OPTUNA_SCHEMA = "torchyard_optuna"
 

@@ -17,7 +17,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from torchyard.store.feed import FeedCursor
-from torchyard.store.jobs import Viewer
+from torchyard.store.jobs import Viewer, pruned_trial
 from torchyard.store.metrics import metric_names
 from torchyard.store.models import (
     Assignment,
@@ -96,7 +96,7 @@ def table_page(
     cols = (Job.id, Job.name, Job.state, Job.progress, Job.world_size, Job.attempt,
             Job.created_at, Job.started_at, Job.finished_at, Job.pending_reason,
             Job.sweep_id, Job.tags, User.name.label("owner"),
-            Project.name.label("project"))  # fmt: skip
+            Project.name.label("project"), pruned_trial().label("pruned"))  # fmt: skip
     rows = session.execute(
         select(*cols)
         .join(User, User.id == Job.owner_id)

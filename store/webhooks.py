@@ -43,10 +43,12 @@ from sqlalchemy.orm import Session, aliased
 from torchyard.contracts.states import JobState
 from torchyard.store.dialect import db_now, db_now_value, in_list, is_postgres
 from torchyard.store.models import (
+    TRIAL_PRUNED,
     Job,
     Project,
     ProjectMember,
     Sweep,
+    SweepTrial,
     User,
     UTCDateTime,
     Webhook,
@@ -159,6 +161,10 @@ def enqueue_job_events(
         .join(Webhook, _owns(Job.owner_id, Job.project_id))
         .where(in_list(session, Job.id, list(job_ids)), _subscribed(session, event))
     )
+    if event == JOB_EVENTS[JobState.CANCELLED]:  # a pruned trial: sweep.completed covers it
+        rows = rows.where(~exists().where(
+            SweepTrial.job_id == Job.id, SweepTrial.outcome == TRIAL_PRUNED
+        ))  # fmt: skip
     _insert(session, rows)
 
 

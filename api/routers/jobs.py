@@ -39,6 +39,7 @@ from torchyard.store.jobs import (
     job_snapshot,
     job_version,
     list_jobs,
+    pruned_jobs,
     request_cancel,
 )
 from torchyard.store.models import Job
@@ -213,7 +214,8 @@ def list_jobs_route(
         page, next_cursor = list_jobs(session, user.viewer, cursor=cursor, limit=limit, only=only)
     except BadCursor as e:
         raise validation_error([("cursor", str(e))]) from None
-    items = [job_summary(j, owner, proj) for j, owner, proj in page]
+    pruned = pruned_jobs(session, [j.id for j, _, _ in page])
+    items = [job_summary(j, owner, proj, j.id in pruned) for j, owner, proj in page]
     return JobList(items=items, next_cursor=next_cursor)
 
 

@@ -45,6 +45,7 @@ class TableRow(BaseModel):
     latest: dict[str, float | None] = Field(description="train/loss and val/accuracy, when recorded")  # fmt: skip
     pending_reason: str | None
     sweep_id: str | None
+    pruned: bool = Field(default=False, description="a sweep's pruner stopped it (GET /v1/jobs)")
     tags: list[str] = Field(default=[], description="its tags (PATCH /v1/jobs/{id})")
     created_at: datetime
     started_at: datetime | None
@@ -64,9 +65,10 @@ def _finite(v: float | None) -> float | None:
 def _row(r: dict[str, Any]) -> TableRow:
     progress = r["progress"] if isinstance(r["progress"], dict) else None
     reason = owner_reason(r["pending_reason"], r["id"], r["owner"])  # api/views.py
+    pruned = bool(r["pruned"]) and r["state"] in (JobState.CANCELLING, JobState.CANCELLED)
     return TableRow.model_validate(
         {**r, "progress": progress, "latest": {k: _finite(v) for k, v in r["latest"].items()},
-         "pending_reason": reason}
+         "pending_reason": reason, "pruned": pruned}
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ JOB_KEYS = {
     "id", "name", "state", "attempt", "spec", "progress", "pending_reason", "error",
     "created_at", "updated_at", "started_at", "finished_at", "priority", "world_size",
     "max_restarts", "cancel_requested", "owner", "latest_metrics", "attempts",
-    "project", "tags", "notes", "archived", "archived_at", "rerun_of",
+    "project", "tags", "notes", "archived", "archived_at", "rerun_of", "sweep_id", "pruned",
 }  # fmt: skip
 
 

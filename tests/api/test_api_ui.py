@@ -195,6 +195,35 @@ def test_jobs_table(
     assert client.get("/v1/ui/jobs", params={"state": "bogus"}, headers=alice).status_code == 422
 
 
+def test_a_pruned_trial_is_labelled_everywhere_a_job_shows(
+    client: TestClient, alice: dict[str, str], factory: Factory, db_url: str
+) -> None:
+    """Its state stays cancelled; `pruned` and its sweep say why, in the dashboard's table,
+    the public list and the job itself. A trial cancelled by hand is a plain cancel."""
+    from torchyard.store.models import SweepTrial
+    from torchyard.store.sweeps import NewSweep, create_sweep
+
+    space = {"optimizer.lr": {"type": "categorical", "choices": [0.1, 0.01]}}
+    with session_scope(db_url) as s:
+        sid = create_sweep(s, factory.user_id("alice"), NewSweep(
+            name="s", spec=_spec(), space=space, metric="val/accuracy", mode="max",
+            max_trials=2, parallel=2, sampler="grid", pruner="asha", seed=0)).id  # fmt: skip
+    pruned = factory.job("alice", state="cancelled", sweep_id=sid)
+    by_hand = factory.job("alice", state="cancelled", sweep_id=sid)
+    with session_scope(db_url) as s:
+        s.add(SweepTrial(sweep_id=sid, number=0, job_id=pruned, params={}, outcome="pruned"))
+        s.add(SweepTrial(sweep_id=sid, number=1, job_id=by_hand, params={}, outcome="cancelled"))
+    table = {j["id"]: j for j in client.get("/v1/ui/jobs", headers=alice).json()["items"]}
+    listed = {j["id"]: j for j in client.get("/v1/jobs", headers=alice).json()["items"]}
+    for rows in (table, listed):
+        assert (rows[pruned]["state"], rows[pruned]["pruned"]) == ("cancelled", True)
+        assert (rows[by_hand]["state"], rows[by_hand]["pruned"]) == ("cancelled", False)
+        assert rows[pruned]["sweep_id"] == rows[by_hand]["sweep_id"] == sid
+    job = client.get(f"/v1/jobs/{pruned}", headers=alice).json()
+    assert (job["pruned"], job["sweep_id"]) == (True, sid)
+    assert client.get(f"/v1/jobs/{by_hand}", headers=alice).json()["pruned"] is False
+
+
 def _spec() -> dict[str, Any]:
     from support.db import SPEC
 

@@ -23,10 +23,19 @@ from torchyard.scheduler.sweeps import SweepController
 from torchyard.settings import Settings
 from torchyard.store import migrate
 from torchyard.store.db import session_scope
-from torchyard.store.jobs import Viewer
+from torchyard.store.jobs import Viewer, job_snapshot, pruned_jobs
 from torchyard.store.lifecycle import finish_attempt, handback_delay_s
 from torchyard.store.metrics import ingest_metrics
-from torchyard.store.models import PAUSED_HOLD, Base, Job, JobEvent, Sweep, SweepTrial, User
+from torchyard.store.models import (
+    PAUSED_HOLD,
+    Base,
+    Job,
+    JobEvent,
+    Sweep,
+    SweepTrial,
+    User,
+    WebhookDelivery,
+)
 from torchyard.store.pruning import GO, PAUSE, PRUNE, Pruning, halving_verdict, rung_plan
 from torchyard.store.sweeps import (
     NewSweep,
@@ -37,6 +46,7 @@ from torchyard.store.sweeps import (
     optuna_url,
     sweep_view,
 )
+from torchyard.store.webhooks import create_webhook
 
 DB_BACKENDS = ("sqlite", "postgres")  # the subject is SQL: tests/BACKENDS.md
 
@@ -160,8 +170,20 @@ def test_asha_prunes_at_the_rung_and_the_best_complete_trial_wins(
     states = [t.state.name for t in study(db_url, sid).trials]
     assert states == ["COMPLETE", "COMPLETE", "PRUNED"]
     assert sweep_row(db_url, sid).state == "running"  # until the pruned job has stopped
+    with session_scope(db_url) as s:
+        hook = create_webhook(s, factory.user_id("alice"), None, "http://127.0.0.1:9/h",
+                              ["job.cancelled", "sweep.completed"], "s" * 16).id  # fmt: skip
+    plain = factory.job("alice", "cancelling")  # cancelled by hand: its webhook fires
     factory.set_state(t2["job_id"], "cancelled")  # the worker stopped it
+    factory.set_state(plain, "cancelled")
     ctl.run_pass()
+    with session_scope(db_url) as s:
+        sent = {(d.subject, d.event) for d in s.scalars(select(WebhookDelivery))
+                if d.webhook_id == hook}  # fmt: skip
+        assert sent == {(plain, "job.cancelled"), (sid, "sweep.completed")}  # not the trial
+        assert pruned_jobs(s, [t0["job_id"], t1["job_id"], t2["job_id"], plain]) == {t2["job_id"]}
+        assert job_snapshot(s, Viewer(0, True), t2["job_id"])["pruned"] is True  # type: ignore[index]
+        assert job_snapshot(s, Viewer(0, True), plain)["pruned"] is False  # type: ignore[index]
     sweep = sweep_row(db_url, sid)
     assert sweep.state == "succeeded" and sweep.finished_at is not None
     with session_scope(db_url) as s:

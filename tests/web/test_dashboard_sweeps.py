@@ -180,6 +180,29 @@ def test_the_sweep_page_shows_trials_curves_coordinates_and_importances(
     keep(page, "sweep")
 
 
+def test_a_pruned_trial_says_pruned_and_links_to_its_sweep(
+    world: World, new_page: Callable[[], Any], keep: Callable[[Any, str], None]
+) -> None:
+    """In the jobs table and on its page a pruned trial reads `pruned`, not a plain
+    `cancelled` (its state, in the tooltip); a trial's page links to its sweep."""
+    trials = {t["number"]: t for t in world.api(world.alice, f"/v1/sweeps/{world.done}")["trials"]}
+    pruned, best = trials[PRUNED]["job_id"], trials[BEST]["job_id"]
+    page = _open(world, new_page, "/")
+    badge = page.wait_for_selector(f"#jobs-table tr[data-id='{pruned}'] .state")
+    assert badge.text_content() == "pruned" and "cancelled" in badge.get_attribute("title")
+    other = page.query_selector(f"#jobs-table tr[data-id='{best}'] .state")
+    assert other.text_content() == "succeeded"
+    keep(page, "jobs-with-a-pruned-trial")
+    page.goto(f"{world.base}/jobs/{pruned}")
+    page.wait_for_selector("#job-state .state-pruned")
+    link = page.wait_for_selector("#job-sweep a")
+    assert link.get_attribute("href") == f"/sweeps/{world.done}"
+    keep(page, "pruned-trial")
+    link.click()
+    page.wait_for_url(f"**/sweeps/{world.done}")
+    page.wait_for_selector("#trials")
+
+
 def _check_curves(page: Any, api: dict[str, Any]) -> None:
     """One curve per trial with a job; those with points drawn; the best thick, the pruned
     faint; each curve's last point is its trial's value."""

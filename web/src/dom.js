@@ -75,6 +75,13 @@ export function stateBadge(state) {
   return h("span", { class: `state state-${String(state).replace(/[^a-z_]/g, "")}` }, state);
 }
 
+// A job's badge: a trial its sweep's pruner stopped reads `pruned` (its state stays
+// cancelled, which the tooltip says), any other job its state.
+export function jobStateBadge(job) {
+  if (!job.pruned) return stateBadge(job.state);
+  return h("span", { class: "state state-pruned", title: `its sweep's pruner stopped it (state: ${job.state})` }, "pruned");
+}
+
 // Why a queued job waits, as the scheduler last said (`reason`), or that it has not yet.
 export function pendingText(reason) {
   return reason || "not looked at by the scheduler yet";

@@ -6,7 +6,7 @@
 // job_logsearch.js.
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, metricGroups } from "../chart.js";
-import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
+import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, jobStateBadge, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { ATTEMPT, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 import { headActions, organiser } from "./job_organise.js";
 import { isSystem, systemPanel } from "./job_system.js";
@@ -77,8 +77,9 @@ export async function jobPage(root, { params, navigate, session }) {
       ? headActions(job, { dialog, errorsIn: parts.head, refresh: () => refreshJob().catch(() => {}), navigate })
       : h("span", { class: "muted small", id: "read-only" }, `view only: you are a viewer of ${job.project}`);
     replace(parts.head,
-      h("div", {}, h("h1", { id: "job-name" }, job.name), h("div", { class: "muted mono small" }, job.id)),
-      h("div", { class: "head-right" }, h("span", { id: "job-state" }, stateBadge(job.state)), cancel, actions));
+      h("div", {}, h("h1", { id: "job-name" }, job.name), h("div", { class: "muted mono small" }, job.id),
+        job.sweep_id ? h("div", { class: "small", id: "job-sweep" }, "a trial of ", link(`/sweeps/${job.sweep_id}`, `sweep ${job.sweep_id.slice(0, 12)}`)) : null),
+      h("div", { class: "head-right" }, h("span", { id: "job-state" }, jobStateBadge(job)), cancel, actions));
   }
 
   function renderInfo() {

@@ -2,7 +2,7 @@
 // do), filtered by state, text and tag (a click on a job's tag), reloaded whenever the jobs
 // stream says a job changed.
 import { api, query, serverNow, stream } from "../api.js";
-import { fmtAge, fmtNum, h, link, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
+import { fmtAge, fmtNum, h, jobStateBadge, link, progressCell, replace, throttle, workersCell } from "../dom.js";
 import { JOB_STATES as STATES } from "../states.gen.js";
 import { tagChips } from "./job_organise.js";
 
@@ -81,7 +81,7 @@ export function jobsPage(root, { search, session, navigate }) {
           j.project && !j.project.startsWith("~") ? h("div", { class: "muted small jproject" }, `project ${j.project}`) : null,
           j.tags && j.tags.length ? h("div", { class: "jtags" }, tagChips(j.tags, { onClick: filterTag })) : null),
         admin ? h("td", {}, j.owner) : null,
-        h("td", {}, stateBadge(j.state), j.attempt > 1 ? h("span", { class: "muted small" }, ` #${j.attempt}`) : null),
+        h("td", {}, jobStateBadge(j), j.attempt > 1 ? h("span", { class: "muted small" }, ` #${j.attempt}`) : null),
         h("td", {}, progressCell(j.progress, j.state, j.pending_reason)),
         h("td", { class: "num" }, fmtNum(j.latest["train/loss"])),
         h("td", { class: "num" }, fmtNum(j.latest["val/accuracy"])),
