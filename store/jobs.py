@@ -32,7 +32,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
 from torchyard.store.dialect import is_postgres
 from torchyard.store.models import (
@@ -318,7 +318,7 @@ def pruned_trial() -> Exists:
     webhook fires for it (the sweep's own event covers its trials)."""
     # Our constant inline, not a bound parameter: the statement is also compiled once and
     # run with the viewer's parameters alone (store/asyncreads.py).
-    pruned = literal_column(f"'{TRIAL_PRUNED}'")
+    pruned: ColumnElement[str] = literal_column(f"'{TRIAL_PRUNED}'")
     return exists().where(SweepTrial.job_id == Job.id, SweepTrial.outcome == pruned)
 
 
