@@ -196,12 +196,21 @@ def cmd_list(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def state_label(job: dict, *, long: bool = False) -> str:
+    """The job's state, or `pruned` for a trial its sweep's pruner stopped (its state is
+    cancelled: said in full with `long`)."""
+    state = str(job.get("state"))
+    if not job.get("pruned"):
+        return state
+    return f"pruned by its sweep ({state})" if long else "pruned"
+
+
 def _list_table(jobs: list[dict], *, archived: bool) -> RenderableType:
     """The jobs as `list` prints them; with --archived, an ARCHIVED column (yes or -) tells
     the archived rows from the live ones, which otherwise look alike."""
     headers = ["ID", "NAME", "STATE", "ATTEMPT", "PROGRESS", "CREATED"]
     rows: list[tuple[Any, ...]] = [
-        (j["id"][:12], j.get("name"), j.get("state"), j.get("attempt"), _progress_short(j),
+        (j["id"][:12], j.get("name"), state_label(j), j.get("attempt"), _progress_short(j),
          age(j.get("created_at")))
         for j in jobs
     ]  # fmt: skip
@@ -295,7 +304,7 @@ def describe_job(job: dict) -> RenderableType:
     rows: list[tuple[str, str]] = [
         ("id", str(job.get("id"))),
         ("name", str(job.get("name"))),
-        ("state", f"{job.get('state')} (attempt {job.get('attempt')})"),
+        ("state", f"{state_label(job, long=True)} (attempt {job.get('attempt')})"),
         *_organised(job),
     ]
     if job.get("pending_reason") and job.get("state") == "queued":

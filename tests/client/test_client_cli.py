@@ -200,6 +200,31 @@ def test_status_list_workers_and_prefix_ids(run: Run, spec: Path, store: Store) 
     assert [w["id"] for w in json.loads(out)] == ["w-gpu0"]
 
 
+def test_a_pruned_trial_reads_pruned_in_list_and_status(run: Run, spec: Path, store: Store) -> None:
+    from sqlalchemy import update
+
+    from torchyard.store.db import session_scope
+    from torchyard.store.models import Job, SweepTrial
+    from torchyard.store.sweeps import NewSweep, create_sweep
+
+    _, out, _ = run("submit", str(spec))
+    job_id = out.strip()
+    store.set_state(job_id, "cancelled")
+    with session_scope(store.url) as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        sid = create_sweep(s, job.owner_id, NewSweep(
+            name="s", spec=job.spec, space={"seed": {"type": "categorical", "choices": [1, 2]}},
+            metric="val/accuracy", mode="max", max_trials=2, parallel=1, sampler="grid",
+            pruner="asha", seed=0)).id  # fmt: skip
+        s.execute(update(Job).where(Job.id == job_id).values(sweep_id=sid))
+        s.add(SweepTrial(sweep_id=sid, number=0, job_id=job_id, params={}, outcome="pruned"))
+    rc, out, _ = run("list")
+    assert rc == 0 and out.splitlines()[1].split()[:3] == [job_id[:12], "t", "pruned"]
+    rc, out, _ = run("status", job_id)
+    assert rc == 0 and "pruned by its sweep (cancelled) (attempt 1)" in out
+
+
 def test_json_output_is_the_api_body_as_before(
     run: Run, spec: Path, http: TestClient, token: str
 ) -> None:
