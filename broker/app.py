@@ -9,6 +9,7 @@ this part imports `torchyard.settings` only.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from torchyard.settings import Settings
@@ -118,12 +119,38 @@ def broker_ok(settings: Settings, timeout: float = 2.0) -> bool:
         return False
 
 
+# Celery's warning for a consumer started as root (celery/platforms.py, ROOT_DISCOURAGED),
+# matched by its opening words; its other security warnings are left as they are.
+ROOT_WARNING = r"You're running the worker with superuser privileges"
+
+
+def quiet_root_warning(app: Celery) -> None:
+    """Silence Celery's "running the worker with superuser privileges ... use --uid" warning,
+    and only it. Running our consumers as root is by design, and safe:
+    - a root worker is root so that it can drop privileges itself: worker/sandbox.py runs
+      each trainer (the only place a user's code runs) under bubblewrap and seccomp, as
+      that user's own unprivileged host uid (store/sandboxuids.py; never root), via setpriv;
+      Celery's --uid would instead drop the whole worker, which then could not do that;
+    - the broker carries JSON with ids only (make_celery: accept_content ["json"]), so the
+      pickle risk the warning is about cannot arise: with pickle accepted Celery still
+      refuses to start as root (SecurityError), as this function checks first.
+    The scheduler's consumer (scheduler/process.py) runs no user code at all."""
+    from celery.exceptions import SecurityWarning
+
+    accepted = set(app.conf.accept_content or ())
+    if accepted - {"json", "application/json"}:
+        return  # not our JSON-only app: Celery's warning (or refusal) stands
+    warnings.filterwarnings("ignore", message=ROOT_WARNING, category=SecurityWarning)
+
+
 def make_consumer(app: Celery, *, name: str, queue: str) -> Any:
     """A Celery worker consuming one queue, one task at a time, in this process (solo pool:
     no forked child) and without the broker chatter (heartbeats, mingle, gossip) that a
-    store-driven cluster does not use. `name` is the worker's Celery host name."""
+    store-driven cluster does not use. `name` is the worker's Celery host name. A root
+    worker is not told to use --uid (quiet_root_warning says why)."""
     import socket
 
+    quiet_root_warning(app)
     return app.Worker(
         hostname=f"{name}@{socket.gethostname()}",
         queues=[queue],
