@@ -96,12 +96,16 @@ def human_age(seconds: float | None) -> str:
 
 
 def fmt_value(v: float | None) -> str:
+    """A metric value in 4 significant digits: 0.001234, not 0.0012 (nor 0.0000 for a
+    tiny loss); scientific below 1e-3 and from 1e5."""
     if v is None:
         return "-"
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     if v == 0 or 1e-3 <= abs(v) < 1e5:
-        return f"{v:.4g}" if abs(v) >= 1 else f"{v:.4f}"
+        if v == 0 or abs(v) >= 1:
+            return f"{v:.4g}"
+        return f"{v:.{3 - math.floor(math.log10(abs(v)))}f}"
     return f"{v:.3e}"
 
 

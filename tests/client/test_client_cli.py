@@ -303,7 +303,7 @@ def test_a_long_metrics_table_is_downsampled_and_says_so(
     monkeypatch.setattr("torchyard.client.cmd_results.TABLE_MAX_ROWS", 10)
     rc, out, err = run("metrics", job_id, "--name", "train/loss")
     rows = out.splitlines()[1:]
-    assert rc == 0 and 1 < len(rows) <= 10 and rows[-1].split() == ["40", "0.0500"]
+    assert rc == 0 and 1 < len(rows) <= 10 and rows[-1].split() == ["40", "0.05000"]
     assert err.startswith("note: 10 rows at most") and "--csv" in err
     rc, out, err = run("metrics", job_id, "--name", "train/loss", "--csv")
     assert len(out.splitlines()) == 41 and err == ""  # CSV keeps every point
@@ -343,6 +343,8 @@ def test_progress_line_and_wide_rows() -> None:
     line = render.to_text(progress_line(job, {"train/loss": (50, 0.25)}))
     assert "epoch 2/5" in line and "50/100" in line and "1,234 samples/s" in line
     assert "ETA 1:05" in line and "train/loss 0.2500" in line
+    tiny = render.to_text(progress_line(job, {"train/loss": (50, 0.0012345)}))
+    assert "train/loss 0.001234" in tiny  # 4 significant digits, not 0.0012
     assert "━" * 12 in line and "━" * 13 not in line  # half of a 24-wide bar
     names, rows = wide_rows(
         {"b": {"steps": [2], "values": [1.0]}, "a": {"steps": [1, 2], "values": [3.0, 4.0]}}
