@@ -212,10 +212,13 @@ class Status:
 
 class Transfer:
     """A download's progress: bar, percent, bytes, speed and time left (rich.progress), drawn
-    through a Status. Call it as `on_progress(done, total)`."""
+    through a Status on a terminal. Elsewhere (logs, CI, pipes) repeated bar lines would only
+    be noise: it prints nothing while the bytes arrive and one summary line at the end
+    (`summary`). Call it as `on_progress(done, total)`, then `done(size)`."""
 
     def __init__(self, stream: TextIO, *, plain_every_s: float = 2.0) -> None:
         self.status = Status(stream, plain_every_s=plain_every_s)
+        self.live = self.status.console.is_terminal
         self.progress = Progress(
             BarColumn(bar_width=30),
             TaskProgressColumn(),
@@ -226,14 +229,36 @@ class Transfer:
             auto_refresh=False,  # drawn by the Status, never started on its own
         )
         self.task = self.progress.add_task("download", total=None)
+        self._started: float | None = None
+        self._kept = 0  # bytes already on disk at the first call (a resumed .part)
 
     def __call__(self, done: int, total: int | None) -> None:
+        if self._started is None:
+            self._started, self._kept = time.monotonic(), done
+        if not self.live:
+            return
         self.progress.update(self.task, completed=done, total=total)
         self.status.update(self.progress.get_renderable())
 
     def done(self, size: int) -> None:
+        if not self.live:
+            elapsed = time.monotonic() - self._started if self._started is not None else 0.0
+            self.status.message(summary(size, self._kept, elapsed))
+            return
         self.progress.update(self.task, completed=size, total=size)
         self.status.done(self.progress.get_renderable())
+
+
+def summary(size: int, kept: int, elapsed: float) -> str:
+    """A finished download in one line: `downloaded 16.0 MiB in 0:03 (5.3 MiB/s)`, and the
+    bytes a resumed download kept from before."""
+    fetched = max(0, size - kept)
+    text = f"downloaded {human_bytes(fetched)} in {human_duration(elapsed)}"
+    if elapsed > 0 and fetched:
+        text += f" ({human_bytes(fetched / elapsed)}/s)"
+    if kept:
+        text += f"; {human_bytes(kept)} kept from before, {human_bytes(size)} in all"
+    return text
 
 
 def plot(

@@ -325,7 +325,43 @@ def test_download_reports_verified_sha_and_how_to_load(
     assert rc == 0 and dest.read_bytes() == BLOB
     assert f"sha256 {hashlib.sha256(BLOB).hexdigest()} verified" in out
     assert "weights_only=True" in out
-    assert err.splitlines()[-1].split()[1:3] == ["100%", "16.0/16.0"]  # bar, %, KiB
+    # Not a terminal: one summary line, no bar redrawn line after line.
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("downloaded 16.0 KiB in 0:0"), err
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_download_progress_off_a_terminal_is_one_summary_line() -> None:
+    """Piped (a log, CI): however many updates, one line at the end (issue 44, item 13)."""
+    stream = io.StringIO()
+    transfer = render.Transfer(stream, plain_every_s=0)  # old code: a line per update
+    for done in range(0, 4096 + 1, 256):
+        transfer(done, 4096)
+    transfer.done(4096)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("downloaded 4.0 KiB in 0:00"), lines
+    assert "\x1b[" not in stream.getvalue()
+
+
+def test_download_summary_counts_a_resumed_part() -> None:
+    assert render.summary(4096, 1024, 2.0) == (
+        "downloaded 3.0 KiB in 0:02 (1.5 KiB/s); 1.0 KiB kept from before, 4.0 KiB in all"
+    )
+    assert render.summary(10, 0, 0.0) == "downloaded 10 B in 0:00"
+
+
+def test_download_progress_on_a_terminal_still_draws_the_bar() -> None:
+    stream = _Tty()
+    transfer = render.Transfer(stream)
+    transfer(0, 4096)
+    transfer(2048, 4096)
+    transfer.done(4096)
+    out = stream.getvalue()
+    assert "100%" in out and "4.0/4.0 KiB" in out and "downloaded" not in out
 
 
 def test_progress_line_and_wide_rows() -> None:
