@@ -200,7 +200,9 @@ def test_table_updates_live_and_filters(
     assert "state=" not in page.url and "q=cmp-" in page.url
     # bob's job is not in alice's table, and its page is a 404 for her too
     page.fill("#job-filter", "bobs")
-    page.wait_for_function("() => document.querySelectorAll('#jobs-table tbody tr').length === 0")
+    page.wait_for_selector("#no-jobs")  # an empty result says so, in the one row it shows
+    assert page.inner_text("#no-jobs") == "No jobs match these filters."
+    assert page.eval_on_selector_all("#jobs-table tbody tr", "rs => rs.length") == 1
     page.goto(world.base + "/jobs/" + world.jobs["bob"])
     page.wait_for_selector("text=Job not found")
 
@@ -528,6 +530,33 @@ def test_queued_job_says_why_it_waits(
     assert "scheduler" in page.inner_text("#pending-none")
     info = page.eval_on_selector_all(".info dd", "els => els.map(e => e.textContent)")
     assert "waiting" not in info, info
+
+
+_HINT_ROOM = """() => { const el = document.querySelector('#job-filter'), cs = getComputedStyle(el);
+    const ctx = document.createElement('canvas').getContext('2d'); ctx.font = cs.font;
+    return [ctx.measureText(el.placeholder).width,
+            el.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight)]; }"""
+
+
+def test_filter_hint_fits_and_an_empty_table_says_so(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
+    """The filter's placeholder is shown whole (an admin's, the longer, too); a user with
+    no job reads "No jobs yet." where the rows would be."""
+    admin = new_page()
+    login(admin, world.base, world.c.token)
+    admin.wait_for_selector("#jobs-table tbody tr[data-id]")
+    need, room = admin.evaluate(_HINT_ROOM)
+    assert admin.get_attribute("#job-filter", "placeholder") == "filter by name or id or owner"
+    assert need <= room, (need, room)
+    shot(admin, "jobs-filter-hint-admin")
+    page = new_page()
+    login(page, world.base, token_for(world.c, "dave"))
+    page.wait_for_selector("#no-jobs")
+    assert page.inner_text("#no-jobs") == "No jobs yet."
+    need, room = page.evaluate(_HINT_ROOM)
+    assert need <= room, (need, room)
+    shot(page, "jobs-none-yet")
 
 
 def test_world_size_is_explained(world: World, new_page: Callable[[], Any]) -> None:

@@ -19,7 +19,8 @@ export function jobsPage(root, { search, session, navigate }) {
   };
   const admin = session.is_admin;
   const chips = h("div", { class: "chips" });
-  const searchBox = h("input", { type: "search", id: "job-filter", placeholder: "filter by name or id" + (admin ? " or owner" : ""), value: view.q });
+  const hint = "filter by name or id" + (admin ? " or owner" : "");
+  const searchBox = h("input", { type: "search", id: "job-filter", placeholder: hint, size: hint.length + 2, value: view.q }); // wide enough for its hint
   const compareBtn = h("button", { id: "compare", disabled: true, onclick: () => navigate(`/compare?jobs=${[...view.selected].join(",")}`) }, "Compare");
   const pager = h("span", { class: "pager" });
   const tagFilter = h("span", { id: "tag-filter" });
@@ -69,6 +70,11 @@ export function jobsPage(root, { search, session, navigate }) {
   }
 
   function renderRows() {
+    if (!view.rows.length) {
+      const filtered = view.states.length || view.q || view.tag;
+      return replace(tbody, h("tr", { class: "empty" }, h("td", { colspan: heads.length, class: "muted", id: "no-jobs" },
+        filtered ? "No jobs match these filters." : view.page ? "No jobs on this page." : "No jobs yet.")));
+    }
     replace(tbody, view.rows.map((j) => {
       const box = h("input", { type: "checkbox", checked: view.selected.has(j.id), onchange: () => {
         if (box.checked) view.selected.add(j.id); else view.selected.delete(j.id);
