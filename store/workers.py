@@ -182,7 +182,10 @@ def reap_stale_workers(
         res = session.execute(
             update(Worker)
             .where(Worker.id == wid, Worker.state.in_(LIVE), Worker.last_heartbeat < cutoff)
-            .values(state=LOST)
+            # It runs nothing now (its attempts are lost below, their jobs placed again), so
+            # it names no job; the assignment stays its lease, for release_worker to take
+            # it back to idle should it return and end that assignment.
+            .values(state=LOST, current_job_id=None)
             .execution_options(synchronize_session=False)
         )
         if res.rowcount != 1:  # type: ignore[attr-defined]

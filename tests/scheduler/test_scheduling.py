@@ -290,6 +290,31 @@ def test_reaper_requeues_then_fails(session: Session) -> None:
     assert s.get(Worker, "w0").state == "lost"  # type: ignore[union-attr]
 
 
+def test_a_lost_worker_names_no_job_once_it_runs_elsewhere(session: Session) -> None:
+    """The reaper's lost worker shows no current job (the workers page listed the job it
+    had, by then running on another worker), yet keeps its assignment's lease: should it
+    come back and end that assignment, it is released to idle as before."""
+    s = session
+    job, att = _start(s)
+    asg = s.scalars(select(Assignment).where(Assignment.attempt_id == att.id)).one()
+    later = utcnow() + timedelta(seconds=TIMEOUT + 1)
+    assert reap_stale_workers(s, TIMEOUT, now=later) == [("w0", [job.id])]
+    s.commit()
+    make_worker(s, "w1")
+    run_pass(s)
+    s.refresh(job)
+    assert job.attempt == 2 and job.state == "starting"
+    w0, w1 = s.get(Worker, "w0"), s.get(Worker, "w1")
+    assert w0 is not None and w1 is not None
+    s.refresh(w0)
+    assert (w0.state, w0.current_job_id) == ("lost", None)
+    assert (w1.state, w1.current_job_id) == ("busy", job.id)
+    assert release_worker(s, "w0", asg.id)  # back from lost, on the lease it still holds
+    s.commit()
+    s.refresh(w0)
+    assert w0.state == "idle"
+
+
 def test_restarted_worker_loses_its_old_attempt_at_once(session: Session) -> None:
     s = session
     job, _ = _start(s)
