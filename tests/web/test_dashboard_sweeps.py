@@ -7,6 +7,7 @@ curves, parallel coordinates and importances, the compare page's numbers, and ca
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,21 +60,35 @@ RUNNING = [
     SeedTrial(p(0.04, 0.02, 64), "queued", None, curve(0.66, last=10), paused_rung=1),
 ]
 BEST, PRUNED = 3, 2
+# Ranges across notations (lr 1e-5 … 0.1, weight decay 0 … 1e-4), and two outliers far below
+# the complete and running trials: a pruned trial that collapsed, a failed one that diverged.
+WIDE_SPACE: dict[str, Any] = {
+    "optimizer.lr": {"type": "float", "low": 1e-5, "high": 0.1, "log": True},
+    "optimizer.weight_decay": {"type": "float", "low": 0.0, "high": 1e-4},
+    "batch_size": {"type": "categorical", "choices": [32, 64]},
+}
+WIDE = [
+    SeedTrial(p(1e-4, 2e-5, 32), "succeeded", "complete", [(0, 0.8), (10, 0.88), (20, 0.93)]),
+    SeedTrial(p(1e-3, 5e-5, 64), "succeeded", "complete", [(0, 0.82), (10, 0.9), (20, 0.95)]),
+    SeedTrial(p(1e-2, 8e-5, 32), "running", None, [(0, 0.78), (10, 0.86)]),
+    SeedTrial(p(0.05, 1e-5, 64), "cancelled", "pruned", [(0, 0.5), (10, 0.02)]),
+    SeedTrial(p(1e-5, 0.0, 32), "failed", "failed", [(0, 0.1), (10, 0.0)], error="diverged"),
+]
 
 
 class World:
     def __init__(self, c: Cluster):
         self.c, self.base = c, c.url
         self.alice, self.bob = token_for(c, "alice"), token_for(c, "bob")
-        self.done = self.running = self.bobs = ""
+        self.done = self.running = self.bobs = self.wide = ""
 
     def api(self, token: str, path: str, method: str = "GET") -> Any:
         r = self.c.http.request(method, path, headers={"Authorization": f"Bearer {token}"})
         assert r.status_code < 300, r.text
         return r.json()
 
-    def new_sweep(self, token: str, name: str) -> str:
-        body = {"name": name, "spec": {**SPEC, "seed": 1}, "space": SPACE,
+    def new_sweep(self, token: str, name: str, space: dict[str, Any] = SPACE) -> str:
+        body = {"name": name, "spec": {**SPEC, "seed": 1}, "space": space,
                 "objective": {"metric": METRIC, "mode": "max"}, "trials": len(DONE),
                 "parallel": 2, "pruner": "median"}  # fmt: skip
         r = self.c.http.post("/v1/sweeps", json=body, headers={"Authorization": f"Bearer {token}"})
@@ -84,14 +99,17 @@ class World:
 def _seed(w: World) -> World:
     w.done, w.running = w.new_sweep(w.alice, "lr-search"), w.new_sweep(w.alice, "still-going")
     w.bobs = w.new_sweep(w.bob, "bobs-sweep")
+    w.wide = w.new_sweep(w.alice, "wide-ranges", WIDE_SPACE)
     with w.c.session() as s:
         sweep_trials(s, w.done, DONE)
         sweep_trials(s, w.running, RUNNING)
+        sweep_trials(s, w.wide, WIDE)
         done = s.get(Sweep, w.done)
         assert done is not None
         finish_sweep(done, "succeeded")
     sweep_study(w.c.db_url, w.done, DONE)
     sweep_study(w.c.db_url, w.running, RUNNING)
+    sweep_study(w.c.db_url, w.wide, WIDE)
     return w
 
 
@@ -311,6 +329,30 @@ def test_a_running_sweep_is_cancelled_after_asking(
     page.wait_for_selector("main[data-state='cancelled']")
     assert page.query_selector("#cancel") is None
     assert world.api(world.alice, f"/v1/sweeps/{world.running}")["state"] == "cancelled"
+
+
+def test_each_parallel_axis_ticks_in_one_notation(
+    world: World, new_page: Callable[[], Any], keep: Callable[[Any, str], None]
+) -> None:
+    """An axis whose ticks reach below 1e-3 reads them all in exponent form (not 1.000e-5
+    beside 0.01); one within 1e-3 … 1e6 all fixed."""
+    page = _open(world, new_page, f"/sweeps/{world.wide}")
+    page.wait_for_selector("#parcoords .pc-axis")
+    ticks = dict(
+        page.eval_on_selector_all(
+            "#parcoords .pc-axis",
+            "as => as.map(a => [a.dataset.name, [...a.querySelectorAll('.pc-tick text')]"
+            ".map(t => t.textContent)])",
+        )
+    )
+    assert ticks["optimizer.lr"] == ["1e-5", "1e-4", "1e-3", "1e-2", "1e-1"]
+    assert ticks["optimizer.weight_decay"] == ["0", "5e-5", "1e-4"]
+    sci, fixed = re.compile(r"^(0|-?\d(\.\d+)?e-?\d+)$"), re.compile(r"^-?[\d,]+(\.\d+)?$")
+    for name, labels in ticks.items():
+        if name == "batch_size":
+            continue
+        assert all(sci.match(t) for t in labels) or all(fixed.match(t) for t in labels), ticks
+    keep(page, "sweep-wide-ranges")
 
 
 def test_another_users_sweep_is_not_found(world: World, new_page: Callable[[], Any]) -> None:

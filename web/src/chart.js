@@ -31,14 +31,14 @@ export function swatch(colour, pattern) {
 
 // Labels of a linear axis's ticks (`splits`, `incr` apart): as few decimals as show every
 // tick exactly, so neighbours never read the same (0.9998, 0.9999, 1.0000, not 1, 1, 0.9999);
-// in exponent form when they are all ≥ 1e6 or < 1e-3 (`exp`).
+// in exponent form when they are all ≥ 1e6 or < 1e-3 (`exp`; "always": whatever they are).
 export function tickLabels(splits, incr, { exp = true } = {}) {
   const vals = splits.filter((v) => v != null && Number.isFinite(v));
   const mag = vals.reduce((m, v) => Math.max(m, Math.abs(v)), 0);
   const tol = incr > 0 ? incr * 1e-6 : mag * 1e-12;
   const exact = (fmt) => vals.every((v) => Math.abs(Number(fmt(v)) - v) <= tol);
   const show = (fmt) => splits.map((v) => (v == null || !Number.isFinite(v) ? "" : fmt(v)));
-  if (exp && mag > 0 && (mag >= 1e6 || mag < 1e-3)) {
+  if (exp === "always" || (exp && mag > 0 && (mag >= 1e6 || mag < 1e-3))) {
     let p = 0;
     while (p < 15 && !exact((v) => v.toExponential(p))) p++;
     return show((v) => v.toExponential(p).replace("e+", "e"));

@@ -3,6 +3,7 @@
 // and one for the objective, one polyline per trial that has a value, coloured by how good
 // that value is. Pruned trials are dashed and faint, the best is drawn last and thick.
 // Presentation attributes only (no style attributes): the page's CSP allows no inline style.
+import { tickLabels } from "./chart.js";
 import { fmtNum } from "./dom.js";
 
 const NS = "http://www.w3.org/2000/svg";
@@ -56,6 +57,16 @@ function logTicks(lo, hi) {
   return shown.length >= 2 ? shown.map((t) => t.v) : [lo, hi];
 }
 
+// An axis' tick labels in one notation: scientific when any tick is below 1e-3 or from 1e6
+// (1e-5, 1e-4, 1e-3, never 1.000e-5 beside 0.01), else fixed; as few digits as show each
+// tick exactly (a linear axis' ticks with the same decimals, 0.025 and 0.050).
+function tickTexts(values, log) {
+  const sci = values.some((v) => v !== 0 && (Math.abs(v) < 1e-3 || Math.abs(v) >= 1e6));
+  if (log && !sci) return values.map(String); // 0.001, 0.01, 0.1
+  const labels = tickLabels(values, 0, { exp: sci ? "always" : false });
+  return sci ? labels.map((t, i) => (values[i] === 0 ? "0" : t)) : labels; // not 0e0
+}
+
 function jsonKey(v) { return JSON.stringify(v); }
 
 // One axis: where a value sits (0 bottom .. 1 top, null when off the axis) and its ticks.
@@ -76,7 +87,8 @@ export function makeAxis(name, p, values, short) {
   const pos = (v) => (typeof v !== "number" || !Number.isFinite(v) || (log && v <= 0) ? null
     : span > 0 ? Math.min(1, Math.max(0, (f(v) - f(lo)) / span)) : 0.5);
   const values_ = log ? logTicks(lo, hi) : linearTicks(lo, hi, p && p.type === "int");
-  return { name, kind: log ? "log" : "linear", pos, ticks: values_.map((v) => ({ at: pos(v), label: fmtNum(v) })) };
+  const labels = tickTexts(values_, log);
+  return { name, kind: log ? "log" : "linear", pos, ticks: values_.map((v, i) => ({ at: pos(v), label: labels[i] })) };
 }
 
 function clip(text, px) {
