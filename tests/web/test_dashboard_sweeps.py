@@ -355,6 +355,34 @@ def test_each_parallel_axis_ticks_in_one_notation(
     keep(page, "sweep-wide-ranges")
 
 
+_Y_RANGE = "() => { const u = document.querySelector('#trial-curves').__chart.u; return [u.scales.y.min, u.scales.y.max]; }"
+
+
+def test_the_curves_y_range_follows_the_trials_that_matter(
+    world: World, new_page: Callable[[], Any], keep: Callable[[Any, str], None]
+) -> None:
+    """By default the y range covers the complete and running trials (0.78 … 0.95), not
+    the pruned one that collapsed to 0.02 nor the failed one at 0; "include outliers"
+    brings them in, and unticked the range is theirs again."""
+    page = _open(world, new_page, f"/sweeps/{world.wide}")
+    page.wait_for_selector("#trial-curves[data-ready='1']")
+    lo, hi = page.evaluate(_Y_RANGE)
+    assert 0.5 < lo <= 0.78 and 0.95 <= hi < 1.2, (lo, hi)
+    assert not page.is_checked("#outliers")
+    keep(page, "sweep-curves-without-outliers")
+    page.check("#outliers")
+    lo, hi = page.evaluate(_Y_RANGE)
+    assert lo <= 0.0 and hi >= 0.95, (lo, hi)
+    keep(page, "sweep-curves-with-outliers")
+    page.uncheck("#outliers")
+    assert page.evaluate(_Y_RANGE)[0] > 0.5
+    # The done sweep has no outlier below its complete trials' curves: every curve shown.
+    page.goto(f"{world.base}/sweeps/{world.done}")
+    page.wait_for_selector("#trial-curves[data-ready='1']")
+    lo, hi = page.evaluate(_Y_RANGE)
+    assert lo <= 0.3 and hi >= 0.97, (lo, hi)
+
+
 def test_another_users_sweep_is_not_found(world: World, new_page: Callable[[], Any]) -> None:
     page = _open(world, new_page, f"/sweeps/{world.done}", token=world.bob)
     page.wait_for_selector("text=Sweep not found")

@@ -103,7 +103,9 @@ export class MetricChart {
   // and `alpha` (0–1) set one curve apart: a sweep's best trial, its pruned ones.
   // `time`: the steps are Unix seconds (the worker's system series), drawn on a time axis;
   // `format`: how a value reads in the legend and on the y axis (default: fmtNum).
-  constructor(el, { title, sources, time = false, format = null }) {
+  // A source with `core: false` (a sweep's pruned or failed trial) is an outlier: the y
+  // range covers the others' values unless "include outliers" is ticked (`outliers`).
+  constructor(el, { title, sources, time = false, format = null, outliers = false }) {
     this.el = el;
     this.sources = sources;
     this.time = time;
@@ -119,12 +121,16 @@ export class MetricChart {
     el.dataset.mode = "overview";
     this.logBox = h("input", { type: "checkbox", onchange: () => this.setLog(this.logBox.checked) });
     this.stepEl = h("span", { class: "muted small" });
+    this.outliersBox = sources.some((s) => s.core === false)
+      ? h("input", { type: "checkbox", id: "outliers", checked: outliers, onchange: () => { if (this.u) this.u.setData(this.u.data); } })
+      : null;
     this.plotEl = h("div", { class: "plot" });
     this.legendEl = h("div", { class: "legend" });
     replace(el,
       h("div", { class: "chart-head" },
         h("h3", {}, title),
         h("label", { class: "small" }, this.logBox, " log scale"),
+        this.outliersBox ? h("label", { class: "small", title: "the y range covers the complete and running trials; ticked, every curve" }, this.outliersBox, " include outliers") : null,
         h("span", { class: "muted small hint" }, "drag to zoom · double-click to reset"),
         this.stepEl),
       this.plotEl, this.legendEl);
@@ -241,7 +247,7 @@ export class MetricChart {
       series,
       bands,
       legend: { show: false },
-      scales: { x: { time: this.time }, y: this.log ? { distr: 3, log: 10 } : { distr: 1 } },
+      scales: { x: { time: this.time }, y: { ...(this.log ? { distr: 3, log: 10 } : { distr: 1 }), ...(this.outliersBox ? { range: (u, lo, hi) => this.yRange(u, lo, hi) } : {}) } },
       axes: [
         // Steps are whole numbers: so are the x ticks. Times: uPlot's own time axis.
         this.time ? {} : { incrs: STEP_INCRS, space: stepSpace, values: (u, splits, i, space, incr) => tickLabels(splits, incr, { exp: false }) },
@@ -258,6 +264,21 @@ export class MetricChart {
         setCursor: [(u) => this.showValues(u.cursor.idx)],
       },
     };
+  }
+
+  // The y range: uPlot's own over every curve, or (outliers left out) over the core
+  // sources' values and bands only, when they have any.
+  yRange(u, lo, hi) {
+    let a = Infinity, b = -Infinity;
+    if (this.outliersBox && !this.outliersBox.checked) {
+      this.sources.forEach((s, i) => {
+        if (s.core === false) return;
+        for (const ys of u.data.slice(1 + 3 * i, 4 + 3 * i)) for (const v of ys || []) if (v != null && (!this.log || v > 0)) { a = Math.min(a, v); b = Math.max(b, v); }
+      });
+    }
+    if (!(a <= b)) [a, b] = [lo, hi];
+    if (a == null || b == null) return [a, b];
+    return this.log ? uPlot.rangeLog(a, b, 10, true) : uPlot.rangeNum(a, b, 0.1, true);
   }
 
   onSelect(u) {

@@ -67,6 +67,9 @@ function infoRows(s) {
   ].filter(Boolean);
 }
 
+// The trials whose values set the curves' y range unless "include outliers" is ticked.
+const CORE = new Set(["complete", JOB.RUNNING, "paused"]);
+
 // The curves' sources: one per trial with a job, coloured as in the table.
 function curveSources(s) {
   const best = s.best ? s.best.number : null;
@@ -74,7 +77,7 @@ function curveSources(s) {
     job: t.job_id, name: s.objective.metric, color: color(i), number: t.number,
     label: `#${t.number}${t.number === best ? " (best)" : t.pruned ? " (pruned)" : ""}`,
     title: `#${t.number} ${t.status}: ${Object.entries(t.params).map(([k, v]) => `${k}=${short(JSON.stringify(v))}`).join(", ")}`,
-    width: t.number === best ? 3 : 1.5, alpha: t.pruned ? 0.35 : null,
+    width: t.number === best ? 3 : 1.5, alpha: t.pruned ? 0.35 : null, core: CORE.has(t.status),
   }));
 }
 
@@ -95,7 +98,7 @@ export async function sweepPage(root, { params }) {
   replace(root, parts.head, parts.info,
     h("div", { class: "sweep-grid" }, parts.chart, parts.importances),
     parts.parcoords, h("h2", {}, "Trials"), parts.trials, dialog);
-  let chart = null, chartKey = null, impDone = null, closed = false;
+  let chart = null, chartKey = null, impDone = null, closed = false, outliers = false;
 
   function renderHead() {
     const cancel = s.state === JOB.RUNNING ? h("button", { class: "danger", id: "cancel", onclick: confirmCancel }, "Cancel…") : null;
@@ -107,13 +110,14 @@ export async function sweepPage(root, { params }) {
 
   function renderChart() {
     const sources = curveSources(s);
-    const key = JSON.stringify(sources.map((x) => [x.job, x.label, x.alpha]));
+    const key = JSON.stringify(sources.map((x) => [x.job, x.label, x.alpha, x.core]));
     if (key === chartKey && chart) return chart.load().catch(() => {});
+    if (chart && chart.outliersBox) outliers = chart.outliersBox.checked;
     if (chart) chart.destroy();
     chart = null;
     chartKey = key;
     if (!sources.length) { replace(parts.chart, h("h3", {}, s.objective.metric), h("p", { class: "muted" }, "No trial has started yet.")); return null; }
-    chart = new MetricChart(parts.chart, { title: `${s.objective.metric} of each trial`, sources });
+    chart = new MetricChart(parts.chart, { title: `${s.objective.metric} of each trial`, sources, outliers });
     return chart.load().catch((e) => { parts.chart.dataset.error = e.message; });
   }
 
