@@ -10,21 +10,25 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+# System packages: only those the selected tests need (scripts/test_needs.py; every one
+# without arguments, as CI runs it; README, Tests, lists them and who needs each).
+picked=" $(.venv/bin/python scripts/test_needs.py "$@" | tr '\n' ' ') " || picked=" all "
+want() { [[ "$picked" == *" all "* || "$picked" == *" $1 "* ]]; }
 # The dashboard's browser tests need Debian's chromium and Node (for the build), the sandbox
 # bubblewrap; as root they are installed when missing, else the tests say what is missing (and fail under CI).
 need=()
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
-command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
+want chromium && { command -v chromium >/dev/null 2>&1 || need+=(chromium); }
+want npm && { command -v npm >/dev/null 2>&1 || need+=(nodejs npm); }
 # The trainer's sandbox (worker/sandbox.py): under CI its tests fail, never skip, without it.
-command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+want bubblewrap && { command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap); }
 # promtool (tests/test_alert_rules.py) comes in Debian's `prometheus` package, whose install
 # would start a Prometheus server (and its node exporter) where the host runs systemd: a
 # policy-rc.d answering 101 keeps every service of this install stopped, as in Docker
 # images, and goes again after it (one already there is left as it is).
-command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+want prometheus && { command -v promtool >/dev/null 2>&1 || need+=(prometheus); }
 # The Slurm test (tests/deploy/test_slurm.py) starts its own munged, slurmctld and slurmd;
 # the same policy-rc.d keeps the packages' own services stopped.
-command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm munge)
+want slurm-wlm && { command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm munge); }
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "==> installing ${need[*]}"
