@@ -22,6 +22,7 @@ from support.worker_cluster import ROOT, Cluster
 
 from torchyard.store.jobs import create_job
 from torchyard.store.metrics import ingest_metrics
+from torchyard.store.models import Attempt, Job
 from torchyard.store.paths import LOG_FILE, job_dir
 
 pytestmark = pytest.mark.browser
@@ -93,6 +94,14 @@ def _seed_rough_edges(w: World) -> None:
             job, _ = create_job(s, alice, {**SPEC, "name": name}, name=name)
             job.pending_reason = reason
             w.jobs[name] = job.id
+        # Its first attempt handed back (its worker stopped), the second ran to the end.
+        jid = finished_job(s, alice, "handed-back")
+        job = s.get(Job, jid)
+        assert job is not None
+        job.attempt = 2
+        s.add_all([Attempt(job_id=jid, number=1, state="handed_back", reason="worker w0 stopped"),
+                   Attempt(job_id=jid, number=2, state="succeeded")])  # fmt: skip
+        w.jobs["handed-back"] = jid
 
 
 @pytest.fixture(scope="module", params=[SQLITE])
@@ -557,6 +566,24 @@ def test_filter_hint_fits_and_an_empty_table_says_so(
     need, room = page.evaluate(_HINT_ROOM)
     assert need <= room, (need, room)
     shot(page, "jobs-none-yet")
+
+
+def test_a_hand_back_is_not_counted_in_the_attempt_line(
+    world: World, new_page: Callable[[], Any], shot: Callable[[Any, str], None]
+) -> None:
+    """Attempt 2 after a hand-back has used none of its restarts (store/lifecycle.py counts
+    failed and lost attempts only): the line says so, not a bare "(max restarts 2)"."""
+    job = world.as_user(world.alice).get(f"/v1/jobs/{world.jobs['handed-back']}").json()
+    assert [a["state"] for a in job["attempts"]] == ["handed_back", "succeeded"]
+    page = new_page()
+    login(page, world.base, world.alice, f"/jobs/{job['id']}")
+    line = page.wait_for_selector("#attempt-line")
+    want = f"2 (1 hand-back, not counted; restarts used 0 of {job['max_restarts']})"
+    assert line.text_content() == want
+    shot(page, "handed-back-job")
+    page.goto(f"{world.base}/jobs/{world.jobs['few']}")  # one attempt, none handed back
+    page.wait_for_selector("#attempt-line")
+    assert page.inner_text("#attempt-line") == f"1 (restarts used 0 of {job['max_restarts']})"
 
 
 def test_world_size_is_explained(world: World, new_page: Callable[[], Any]) -> None:

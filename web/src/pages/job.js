@@ -7,7 +7,7 @@
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, metricGroups } from "../chart.js";
 import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, jobStateBadge, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
-import { ATTEMPT, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
+import { ATTEMPT, ATTEMPT_COUNTED, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 import { headActions, organiser } from "./job_organise.js";
 import { isSystem, systemPanel } from "./job_system.js";
 import { logSearch } from "./job_logsearch.js";
@@ -20,6 +20,16 @@ function cause(a) {
   if (a.state === ATTEMPT.LOST) return "lost worker" + (a.reason ? `: ${a.reason}` : "");
   if (a.state === ATTEMPT.HANDED_BACK) return /preempt/i.test(a.reason || "") ? `preempted: ${a.reason}` : `handed back${a.reason ? `: ${a.reason}` : ""}`;
   return a.reason || "";
+}
+
+// The attempt line: hand-backs (a stopping or preempted worker) do not count against
+// max_restarts, failed and lost attempts do (store/lifecycle.py: counted_failures), so
+// "2 (1 hand-back, not counted; restarts used 0 of 2)", not "2 (max restarts 2)".
+function attemptText(job) {
+  const handed = job.attempts.filter((a) => a.state === ATTEMPT.HANDED_BACK).length;
+  const used = job.attempts.filter((a) => ATTEMPT_COUNTED.has(a.state)).length;
+  const hb = handed ? `${handed} hand-back${handed === 1 ? "" : "s"}, not counted; ` : "";
+  return `${job.attempt} (${hb}restarts used ${used} of ${job.max_restarts})`;
 }
 
 // Whether the caller may change the job (cancel, edit, archive, re-run): admins, and the
@@ -90,7 +100,7 @@ export async function jobPage(root, { params, navigate, session }) {
       ? h("span", { id: "pending" }, job.pending_reason)
       : queued ? h("span", { class: "muted", id: "pending-none" }, pendingText(null)) : null;
     const rows = [
-      ["owner", job.owner], ["project", job.project], ["attempt", `${job.attempt} (max restarts ${job.max_restarts})`],
+      ["owner", job.owner], ["project", job.project], ["attempt", h("span", { id: "attempt-line" }, attemptText(job))],
       job.rerun_of ? ["re-run of", link(`/jobs/${job.rerun_of}`, h("span", { class: "mono", id: "rerun-of" }, job.rerun_of.slice(0, 12)))] : null,
       !queued || (p && p.step != null) ? ["progress", progressCell(p, job.state)] : null,
       p && p.samples_per_s ? ["speed", `${Math.round(p.samples_per_s).toLocaleString()} samples/s`] : null,
