@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from torchyard.contracts.specerrors import SpecError, validation_problems, without_excess_unknown
@@ -52,6 +60,14 @@ TAG_RE = r"^[A-Za-z0-9_.:/=+-]{1,64}$"
 MAX_TAGS = 32
 MAX_NOTES = 10_000
 MAX_ARGS_JSON = 65_536  # model.args / data.args, as JSON
+# `params`: a job's named values (`torchyard.job.params()`, the jobs table's columns, the
+# list's `?param=` filter, a sweep's `params.<name>`). A name is an identifier, so that
+# `params.<name>` is one dotted spec path and `?param=<name>:<value>` splits at its colon.
+PARAM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+PARAM_NAME_RULE = "a parameter's name is a letter or '_', then up to 63 letters, digits or '_'"
+MAX_PARAMS = 64
+MAX_PARAM_STR = 1024
+_PARAM_INT = 2**63  # ints in (-2**63, 2**63)
 
 
 def is_factory(name: str) -> bool:
@@ -84,6 +100,44 @@ def _name_problem(name: str, kind: str, builtin: tuple[str, ...], other: str) ->
     if kind == "torchvision":
         return "must be 'torchvision/<name>' with a lowercase model name"
     return "must be 'imagefolder/<dir>' with <dir> one name under the data root"
+
+
+def param_value_problem(value: Any) -> str | None:
+    """What is wrong with one `params` value, or None: a string (at most MAX_PARAM_STR
+    characters), an int (64-bit), a finite float or a bool."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if -_PARAM_INT < value < _PARAM_INT else "must be a 64-bit integer"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "must be a finite number"
+    if isinstance(value, str):
+        if len(value) > MAX_PARAM_STR:
+            return f"must be at most {MAX_PARAM_STR} characters"
+        return None
+    return f"must be a string, a number or a boolean, not {_kind(value)}"
+
+
+def params_problems(params: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every problem of a spec's `params`, each as (`<name>`, message); [] when it is fine."""
+    if len(params) > MAX_PARAMS:
+        return [("", f"at most {MAX_PARAMS} parameters, got {len(params)}")]
+    problems = []
+    for name, value in params.items():
+        shown = name[:64] + ("…" if len(name) > 64 else "")
+        if not PARAM_NAME_RE.fullmatch(name):
+            problems.append((shown, PARAM_NAME_RULE))
+        elif problem := param_value_problem(value):
+            problems.append((name, problem))
+    return problems
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "an object"
+    return "a list" if isinstance(value, list) else type(value).__name__
 
 
 def _args_problems(args: dict[str, Any] | None, kind: str, what: str) -> list[tuple[str, str]]:
@@ -333,6 +387,7 @@ SCRIPT_FIELDS = frozenset(
         "project",
         "tags",
         "notes",
+        "params",
     }
 )
 
@@ -361,6 +416,12 @@ class JobSpec(_Strict):
     """Labels to filter by (GET /v1/jobs?tag=); kept on the job, changed by PATCH."""
     notes: str | None = Field(default=None, max_length=MAX_NOTES)
     """A free note kept on the job, changed by PATCH."""
+    params: dict[str, Any] | None = None
+    """Named values of the run (`{"lr": 0.1, "arch": "wide"}`): a script reads them with
+    `torchyard.job.params()`; every job shows them (the jobs table's columns) and the list
+    filters by them (`GET /v1/jobs?param=lr:0.1`); a sweep sets one as `params.<name>`.
+    At most 64; a name is an identifier (up to 64 characters), a value a string (up to 1024
+    characters), a number or a boolean. A built-in job only records them."""
     model: ModelSpec | None = None
     data: DataSpec | None = None
     optimizer: OptimizerSpec | None = None
@@ -406,6 +467,16 @@ class JobSpec(_Strict):
     """Whether a higher-priority job may stop this one (it checkpoints on SIGTERM and
     resumes, bit for bit, when workers are free). Only admins may give a job that is not
     preemptible a priority above 0."""
+
+    @field_validator("params")
+    @classmethod
+    def _check_params(cls, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        if params is not None:
+            problems = params_problems(params)
+            if problems and problems[0][0] == "":  # the count: the field itself
+                raise PydanticCustomError("params_count", problems[0][1])
+            _problems(problems)
+        return params
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -487,6 +558,7 @@ _OMIT_WHEN_NULL = {
     "project",
     "tags",
     "notes",
+    "params",
     "args",
     "image_size",
     "code",

@@ -8,9 +8,12 @@ from typing import Any
 
 from psycopg import adapters
 from psycopg.types.array import ListBinaryDumper
-from sqlalchemy import ARRAY, ColumnElement, Dialect, any_, bindparam, func, select
+from sqlalchemy import ARRAY, ColumnElement, Dialect, String, Text, any_, bindparam, func, select
 from sqlalchemy.engine import Connection
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.selectable import TableValuedAlias
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
@@ -88,3 +91,30 @@ def unnest(
     if ordinality:
         return fn.table_valued(*columns, with_ordinality=ordinality).render_derived(name=name)
     return fn.table_valued(*columns).render_derived(name=name)
+
+
+class json_member_text(FunctionElement[str]):
+    """`json_member_text(column, outer, name)`: the JSON text of `column[outer][name]` as it
+    was written (`0.1`, `"adam"`, `true`; NULL when absent), for comparing stored JSON values
+    with `json.dumps` of a value. `outer` and `name` travel as bound parameters. PostgreSQL's
+    `json` (not `jsonb`) keeps the text it was given, and SQLite's `->` (3.38+) answers the
+    member's text as stored; both read `->` with a key as the object's member."""
+
+    type = Text()
+    inherit_cache = True
+    name = "json_member_text"
+
+    def __init__(self, column: Any, outer: str, member: str) -> None:
+        super().__init__(column, bindparam(None, outer, String), bindparam(None, member, String))
+
+
+@compiles(json_member_text)
+def _json_member_text(element: json_member_text, compiler: SQLCompiler, **kw: Any) -> str:
+    column, outer, member = (compiler.process(c, **kw) for c in element.clauses)
+    return f"(({column} -> {outer}) -> {member})"
+
+
+@compiles(json_member_text, "postgresql")
+def _json_member_text_pg(element: json_member_text, compiler: SQLCompiler, **kw: Any) -> str:
+    column, outer, member = (compiler.process(c, **kw) for c in element.clauses)
+    return f"CAST(({column} -> CAST({outer} AS TEXT)) -> CAST({member} AS TEXT) AS TEXT)"

@@ -12,6 +12,7 @@ import base64
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -34,7 +35,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
-from torchyard.store.dialect import is_postgres
+from torchyard.store.dialect import is_postgres, json_member_text
 from torchyard.store.models import (
     TRIAL_PRUNED,
     Attempt,
@@ -250,15 +251,38 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
     return created, job_id
 
 
+def param_texts(value: str) -> list[str]:
+    """The JSON texts a stored `params` value equal to `value` (as a `?param=name:value`
+    query gives it) may have: the string itself, and when it reads as a JSON number or
+    boolean, that too (an integral number as int and as float: `3` and `3.0`). Compared
+    with each job's stored text (store/dialect.py: `json_member_text`)."""
+    texts = [json.dumps(value)]
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return texts
+    if isinstance(parsed, str | bool) or (
+        isinstance(parsed, int | float) and math.isfinite(parsed)
+    ):
+        texts.append(json.dumps(parsed))
+    if isinstance(parsed, int) and not isinstance(parsed, bool) and abs(parsed) < 2**53:
+        texts.append(json.dumps(float(parsed)))
+    elif isinstance(parsed, float) and parsed.is_integer():
+        texts.append(json.dumps(int(parsed)))
+    return list(dict.fromkeys(texts))
+
+
 @dataclass(frozen=True)
 class JobFilter:
-    """What a job list narrows to: states, one project, one tag; archived jobs are left
-    out unless `archived` is True (only them) or None (both)."""
+    """What a job list narrows to: states, one project, one tag, parameters (each name with
+    the JSON texts its value may have: `param_texts`; all must match); archived jobs are
+    left out unless `archived` is True (only them) or None (both)."""
 
     states: Sequence[str] = ()
     project_id: int | None = None
     tag: str | None = None
     archived: bool | None = False
+    params: Sequence[tuple[str, Sequence[str]]] = ()
 
     def where(self) -> list[Any]:
         where: list[Any] = []
@@ -268,6 +292,8 @@ class JobFilter:
             where.append(Job.project_id == self.project_id)
         if self.tag is not None:
             where.append(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == self.tag)))
+        for name, texts in self.params:
+            where.append(json_member_text(Job.spec, "params", name).in_(list(texts)))
         if self.archived is not None:
             where.append(
                 Job.archived_at.is_not(None) if self.archived else Job.archived_at.is_(None)

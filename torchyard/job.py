@@ -30,6 +30,7 @@ hand), so that a script needs nothing else of torchyard.
 from __future__ import annotations
 
 import io
+import json
 import math
 import numbers
 import os
@@ -51,6 +52,7 @@ __all__ = [
     "Backend",
     "Context",
     "log",
+    "params",
     "restore",
     "save",
     "save_weights",
@@ -64,6 +66,7 @@ CHECKPOINT_FORMAT = 1  # as trainer/checkpoint.py writes it: {"format", "step", 
 STATE_KEY = "state"
 LOCAL_RUN_DIR = "torchyard-run"
 LOCAL_KEEP_LAST = 3
+PARAMS_ENV = "TORCHYARD_PARAMS"  # job.params() by hand; set by the runner for its children
 _PLAIN = (str, int, float, bool, type(None))
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP, torch.compile
 
@@ -102,6 +105,10 @@ class Backend(Protocol):
 
     def stopping(self) -> None:
         """`should_stop()` is returning True: the script is about to stop early."""
+        ...
+
+    def params(self) -> dict[str, Any]:
+        """The run's parameters (`params()` copies them)."""
         ...
 
 
@@ -219,6 +226,30 @@ def should_stop() -> bool:
     if stop:
         b.stopping()
     return stop
+
+
+def params() -> dict[str, Any]:
+    """The run's parameters, a new dict each call: `lr = job.params().get("lr", 0.01)`.
+    Under torchyard: the spec's `params` object (`{"lr": 0.1, "arch": "wide"}`), with a
+    sweep trial's values for `params.<name>` already in it; {} when the spec has none. A
+    process the script starts reads the same (the runner sets TORCHYARD_PARAMS). By hand:
+    the JSON object in the environment variable TORCHYARD_PARAMS
+    (`TORCHYARD_PARAMS='{"lr": 0.1}' python train.py`), or {} when it is unset."""
+    return dict(_get().params())
+
+
+def params_from_env() -> dict[str, Any]:
+    """TORCHYARD_PARAMS as a dict ({} when unset or empty); ValueError naming it otherwise."""
+    raw = os.environ.get(PARAMS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        found = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{PARAMS_ENV} must hold a JSON object: {e}") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{PARAMS_ENV} must hold a JSON object, not {type(found).__name__}")
+    return found
 
 
 # ---------------------------------------------------------------------------- checks
@@ -383,6 +414,9 @@ class _LocalBackend:
 
     def stopping(self) -> None:
         pass
+
+    def params(self) -> dict[str, Any]:
+        return params_from_env()
 
 
 def _fmt(v: float) -> str:

@@ -25,7 +25,10 @@ final `model.safetensors` (`job.save_weights`). `job.restore()` reads `--resume`
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+import os
 import random
 import runpy
 import shlex
@@ -118,6 +121,9 @@ class ScriptBackend:
 
     def context(self) -> job.Context:
         return self.ctx
+
+    def params(self) -> dict[str, Any]:
+        return copy.deepcopy(self.spec.params or {})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.last_step = step
@@ -235,19 +241,27 @@ def announce_start(spec: JobSpec, r: Run, b: ScriptBackend) -> None:
     command = shlex.join([spec.entrypoint.script, *spec.entrypoint.args])
     resumed = f", resuming from {b.resumed_from} (step {b.resume_step})" if b.resumed_from else ""
     r.log(f"running {command}: {d.world_size} rank(s) on {d.device}{resumed}")
+    if spec.params:
+        r.log("params: " + ", ".join(f"{k}={v!r}" for k, v in spec.params.items()))
 
 
 @contextmanager
 def installed(b: ScriptBackend, argv: list[str]) -> Iterator[None]:
-    """`torchyard.job` routed to `b` and `sys.argv` the script's, for the script's run."""
-    saved = sys.argv
+    """`torchyard.job` routed to `b`, `sys.argv` the script's and TORCHYARD_PARAMS the spec's
+    params (what `job.params()` reads in a process the script starts), for the script's run."""
+    saved, saved_params = sys.argv, os.environ.get(job.PARAMS_ENV)
     sys.argv = argv
+    os.environ[job.PARAMS_ENV] = json.dumps(b.spec.params or {})  # for the script's children
     job._install(b)
     try:
         yield
     finally:
         job._install(None)
         sys.argv = saved
+        if saved_params is None:
+            os.environ.pop(job.PARAMS_ENV, None)
+        else:
+            os.environ[job.PARAMS_ENV] = saved_params
 
 
 def seed_everything(seed: int) -> None:

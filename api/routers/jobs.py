@@ -26,7 +26,7 @@ from torchyard.api.roles import require_role
 from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
 from torchyard.broker import app as broker
-from torchyard.contracts.spec import JOB_ID_RE
+from torchyard.contracts.spec import JOB_ID_RE, MAX_PARAM_STR, PARAM_NAME_RE
 from torchyard.scheduler import submit
 from torchyard.settings import Settings
 from torchyard.store.asyncreads import AsyncReads
@@ -39,6 +39,7 @@ from torchyard.store.jobs import (
     job_snapshot,
     job_version,
     list_jobs,
+    param_texts,
     pruned_jobs,
     request_cancel,
 )
@@ -47,6 +48,7 @@ from torchyard.store.projects import effective_role, project_named
 from torchyard.store.states import STATES
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+MAX_PARAM_FILTERS = 8  # ?param= filters of one list
 
 SUBMIT_BODY = {
     "requestBody": {
@@ -199,6 +201,14 @@ def list_jobs_route(
         Literal["false", "true", "any"],
         Query(description="archived jobs: left out (default), only them, or both"),
     ] = "false",
+    param: Annotated[
+        list[str] | None,
+        Query(
+            description="only jobs whose spec's `params` has this value: `name:value` (`lr:0.1`, "
+            "`arch:wide`; a number matches 3 and 3.0); repeat for several (all must match), "
+            f"at most {MAX_PARAM_FILTERS}"
+        ),
+    ] = None,
 ) -> JobList:
     states = [s.strip() for v in state or [] for s in v.split(",") if s.strip()]
     bad = [s for s in states if s not in STATES]
@@ -209,6 +219,7 @@ def list_jobs_route(
         project_id=_project_filter(session, user, project),
         tag=tag,
         archived=None if archived == "any" else archived == "true",
+        params=_param_filters(param or []),
     )
     try:
         page, next_cursor = list_jobs(session, user.viewer, cursor=cursor, limit=limit, only=only)
@@ -217,6 +228,23 @@ def list_jobs_route(
     pruned = pruned_jobs(session, [j.id for j, _, _ in page])
     items = [job_summary(j, owner, proj, j.id in pruned) for j, owner, proj in page]
     return JobList(items=items, next_cursor=next_cursor)
+
+
+def _param_filters(given: list[str]) -> list[tuple[str, list[str]]]:
+    """`?param=name:value` filters as (name, the JSON texts its value may have), or 422
+    naming `param`."""
+    if len(given) > MAX_PARAM_FILTERS:
+        raise validation_error([("param", f"at most {MAX_PARAM_FILTERS} filters")])
+    out = []
+    for p in given:
+        name, colon, value = p.partition(":")
+        if not colon or not PARAM_NAME_RE.fullmatch(name):
+            raise validation_error([("param", "must be name:value, the name an identifier "
+                                     "of up to 64 characters (e.g. lr:0.1)")])  # fmt: skip
+        if len(value) > MAX_PARAM_STR:
+            raise validation_error([("param", f"a value is at most {MAX_PARAM_STR} characters")])
+        out.append((name, param_texts(value)))
+    return out
 
 
 def _project_filter(session: Session, user: Principal, name: str | None) -> int | None:

@@ -83,6 +83,19 @@ def test_bounds_choices_and_paths_are_checked_by_building_specs(
     }
 
 
+def test_a_space_may_set_params(client: TestClient, alice: Headers) -> None:
+    space = {"params.lr": {"type": "float", "low": 0.001, "high": 0.3, "log": True},
+             "params.arch": {"type": "categorical", "choices": ["wide", "narrow"]}}  # fmt: skip
+    r = client.post("/v1/sweeps", json=body(space=space), headers=alice)
+    assert r.status_code == 201, r.text
+    bad = {"params.depth": {"type": "categorical", "choices": [2, [3]]},
+           "params.x.y": {"type": "categorical", "choices": [1]}}  # fmt: skip
+    got = problems(client.post("/v1/sweeps", json=body(space=bad), headers=alice))
+    assert set(got) == {"space.params.depth.choices.1", "space.params.x.y"}
+    assert "params.depth" in got["space.params.depth.choices.1"]
+    assert "params.x" in got["space.params.x.y"]  # a value, not an object
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [

@@ -133,6 +133,27 @@ def test_trials_are_jobs_with_their_values_at_the_dotted_paths(
     assert [t.state.name for t in study(db_url, sid).trials] == ["RUNNING", "RUNNING"]
 
 
+def test_a_space_over_params_sets_each_trials_params(
+    factory: Factory, ctl: SweepController, db_url: str
+) -> None:
+    """`params.<name>` makes the spec's `params` when the base has none, and keeps the base's
+    other params when it has some."""
+    grid = {"params.lr": {"type": "categorical", "choices": [0.1, 0.01]}}
+    bare = new_sweep(factory, space=grid, max_trials=2, parallel=2)
+    given = new_sweep(factory, space=grid, max_trials=2, parallel=2,
+                      spec=SPEC | {"params": {"arch": "wide", "lr": 1.0}})  # fmt: skip
+    assert ctl.run_pass() == 4
+    for sid, rest in ((bare, {}), (given, {"arch": "wide"})):
+        seen = []
+        for t in trials(db_url, sid):
+            with session_scope(db_url) as s:
+                job = s.get(Job, t["job_id"])
+                assert job is not None and list(t["params"]) == ["params.lr"]
+                assert job.spec["params"] == rest | {"lr": t["params"]["params.lr"]}
+                seen.append(job.spec["params"]["lr"])
+        assert sorted(seen) == [0.01, 0.1]
+
+
 def test_asha_prunes_at_the_rung_and_the_best_complete_trial_wins(
     factory: Factory, ctl: SweepController, db_url: str
 ) -> None:
