@@ -23,6 +23,7 @@ from torchyard.api.fanout import FeedHub, stored_log_size
 from torchyard.api.jsonlimits import JsonDepthLimit
 from torchyard.api.middleware import BodyLimit, PrometheusMetrics, ShedLoad
 from torchyard.api.routers import (
+    artifacts,
     audit,
     bundles,
     checkpoints,
@@ -176,7 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     # The dashboard (ui: its page and logins, ui_jobs: its table) last: its page paths
     # never shadow an API route.
-    routers = (jobs, job_edits, job_data, job_events, checkpoints, bundles, datasets, workers,
+    routers = (jobs, job_edits, job_data, job_events, checkpoints, artifacts, bundles, datasets, workers,
                users, queue, health, meta, sweeps, tokens, audit, projects, webhooks, sso, ui_jobs, ui)  # fmt: skip
     for module in routers:
         app.include_router(module.router)

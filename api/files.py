@@ -7,7 +7,11 @@ An object with a local file (the local backend: `Storage.local_path`) is served 
 Starlette's FileResponse, which reads Range and If-Range itself; any other is streamed from
 the storage in blocks (`stored_response`), with the same headers and answers. The local file
 is served from the one descriptor the storage opened (no link followed: storage/local.py),
-never reopened by name, so a link swapped in after the check is never what is sent."""
+never reopened by name, so a link swapped in after the check is never what is sent.
+
+Every download says `X-Content-Type-Options: nosniff`. A job's own file (an artifact) is
+`application/octet-stream` and an attachment unless its first bytes are a PNG, JPEG, GIF or
+WebP image (`sniff_image`): then that image type, inline, under a CSP that runs nothing."""
 
 from __future__ import annotations
 
@@ -81,16 +85,37 @@ class _Download(FileResponse):
         return ranges if len(ranges) == 1 else []
 
 
+OCTET = "application/octet-stream"
+# Magic numbers of the image types a browser shows and never runs (no SVG: it is a document).
+_IMAGES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"),
+           (b"GIF87a", "image/gif"), (b"GIF89a", "image/gif"))  # fmt: skip
+SNIFF_BYTES = 12
+_NO_RUN = {"X-Content-Type-Options": "nosniff"}
+_IMAGE_HEADERS = {**_NO_RUN, "Content-Security-Policy": "default-src 'none'; sandbox"}
+
+
+def sniff_image(head: bytes) -> str | None:
+    """The image type of a file that starts with `head` (its first SNIFF_BYTES), or None."""
+    if len(head) >= 12 and head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return next((t for magic, t in _IMAGES if head.startswith(magic)), None)
+
+
 def _etag_matches(header: str, etag: str) -> bool:
     tags = [t.strip().removeprefix("W/") for t in header.split(",")]
     return "*" in tags or etag in tags
 
 
 def file_response(
-    file: BinaryIO, *, etag: str, filename: str, if_none_match: str | None
+    file: BinaryIO,
+    *,
+    etag: str,
+    filename: str,
+    if_none_match: str | None,
+    media_type: str = OCTET,
 ) -> Response:
     """The open local file `file` (the response closes it; FileNotFoundError, and closed,
-    if it is not a regular file)."""
+    if it is not a regular file). `media_type` other than OCTET: an image shown inline."""
     st = os.fstat(file.fileno())
     if not stat.S_ISREG(st.st_mode) or (if_none_match and _etag_matches(if_none_match, etag)):
         file.close()
@@ -99,10 +124,11 @@ def file_response(
         return Response(status_code=304, headers={"ETag": etag})
     return _Download(
         file,
-        headers={"ETag": etag},
-        media_type="application/octet-stream",
+        headers={"ETag": etag, **(_NO_RUN if media_type == OCTET else _IMAGE_HEADERS)},
+        media_type=media_type,
         filename=_SAFE_NAME.sub("_", filename),
         stat_result=st,
+        content_disposition_type="attachment" if media_type == OCTET else "inline",
     )
 
 
@@ -183,17 +209,20 @@ def stored_response(
     if_none_match: str | None,
     range_: str | None,
     if_range: str | None,
+    media_type: str = OCTET,
 ) -> Response:
     """The object `key` streamed from `storage` (FileNotFoundError if it is gone), for a
     backend without local files: the answers of `file_response`."""
     if if_none_match and _etag_matches(if_none_match, etag):
         return Response(status_code=304, headers={"ETag": etag})
     info = storage.stat(key)
+    shown = "attachment" if media_type == OCTET else "inline"
     headers = {
         "ETag": etag,
         "Accept-Ranges": "bytes",
-        "Content-Disposition": f'attachment; filename="{_SAFE_NAME.sub("_", filename)}"',
+        "Content-Disposition": f'{shown}; filename="{_SAFE_NAME.sub("_", filename)}"',
         "Last-Modified": formatdate(info.mtime, usegmt=True),
+        **(_NO_RUN if media_type == OCTET else _IMAGE_HEADERS),
     }
     wanted = _wanted_range(info, headers, range_, if_range)
     start, end, status = 0, info.size, 200
@@ -207,5 +236,5 @@ def stored_response(
         _read_ahead(body, end - start),
         status_code=status,
         headers=headers,
-        media_type="application/octet-stream",
+        media_type=media_type,
     )

@@ -205,6 +205,19 @@ class CheckpointList(BaseModel):
     next_cursor: str | None = None
 
 
+class ArtifactOut(_Out):
+    name: str
+    bytes: int = Field(description="measured by the job's worker")
+    sha256: str = Field(description="measured by the job's worker; the download's ETag")
+    path: str = Field(description="relative to the job's directory: artifacts/<name>")
+    created_at: datetime = Field(description="when this name was last saved")
+    available: bool = Field(description="the file is in storage and can be downloaded")
+
+
+class ArtifactList(BaseModel):
+    items: list[ArtifactOut]
+
+
 class WorkerOut(_Out):
     id: str
     host: str

@@ -1,7 +1,8 @@
 """The client half of the `torchyard` command: the argument parser and `main`, which runs one
 command. `main(argv)` takes the command name as argv[0]. The commands themselves live by group:
 client/cmd_jobs.py (submit, status, list, cancel, logs), client/cmd_organise.py (tag, note,
-archive, delete, rerun), client/cmd_results.py (metrics, download), client/cmd_pool.py
+archive, delete, rerun), client/cmd_results.py (metrics, download), client/cmd_artifacts.py (artifacts),
+client/cmd_pool.py
 (workers, quota, queue), client/cmd_sweeps.py (sweep …),
 client/cmd_tokens.py (token list|create|revoke), client/cmd_users.py (user set|link),
 client/cmd_audit.py (audit), client/cmd_data.py (data upload),
@@ -36,6 +37,7 @@ from torchyard.client.cli_common import (
     err,
     note,
 )
+from torchyard.client.cmd_artifacts import add_artifact_commands
 from torchyard.client.cmd_audit import add_audit_command
 from torchyard.client.cmd_data import add_data_commands
 from torchyard.client.cmd_jobs import add_job_commands, describe_job
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_commands(cmd)  # submit, status, list, cancel, logs
     add_organise_commands(cmd)  # tag, note, archive, delete, rerun
     add_result_commands(cmd)  # metrics, download
+    add_artifact_commands(cmd)  # artifacts
     add_pool_commands(cmd, sub, common)
     add_sweep_commands(sub, common)
     add_token_commands(sub, common)

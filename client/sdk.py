@@ -45,6 +45,7 @@ from torchyard.client.errors import (
     error_for,
 )
 from torchyard.client.specfile import load_spec_file
+from torchyard.contracts.eventmodel import artifact_name_problem
 from torchyard.contracts.states import JOB_TERMINAL
 
 # Plain strings, as the JSON bodies carry them (the list itself is the contracts').
@@ -93,7 +94,7 @@ class Download:
     """A finished, verified download."""
 
     path: Path
-    checkpoint: dict[str, Any]
+    checkpoint: dict[str, Any]  # the record downloaded: a checkpoint's, or an artifact's
     sha256: str
     bytes: int
     resumed_from: int
@@ -635,25 +636,26 @@ class Client:
         The file is renamed to `path` only once its sha256 matches the server's."""
         job_id = self._jid(job_id)
         ckpt = self.checkpoint(job_id, checkpoint)
-        expected = str(ckpt["sha256"]).lower()
-        name = default_filename(job_id, ckpt)
-        if path is None:
-            dest = Path(name)
-        elif str(path).endswith(("/", os.sep)) or Path(path).is_dir():  # a directory
-            dest = Path(path) / name
-        else:
-            dest = Path(path)
+        url = f"/v1/jobs/{self._jid(job_id)}/checkpoints/{_seg(str(ckpt['id']))}/download"
+        dest = _destination(path, default_filename(job_id, ckpt))
+        return self._verified_download(url, dest, ckpt, on_progress)
+
+    def _verified_download(
+        self, url: str, dest: Path, record: dict, on_progress: ProgressFn | None
+    ) -> Download:
+        """`url` into `dest` through `<dest>.part` (resumed if one is there), renamed only
+        once its sha256 is `record`'s."""
+        expected = str(record["sha256"]).lower()
         part = dest.with_name(dest.name + ".part")
         dest.parent.mkdir(parents=True, exist_ok=True)
         have = part.stat().st_size if part.exists() else 0
-        url = f"/v1/jobs/{self._jid(job_id)}/checkpoints/{_seg(str(ckpt['id']))}/download"
         # A .part that is not a prefix of this file fails the hash; then one clean retry.
         for attempt in (1, 2):
-            resumed = self._fetch(url, part, have, expected, ckpt.get("bytes"), on_progress)
+            resumed = self._fetch(url, part, have, expected, record.get("bytes"), on_progress)
             digest = _sha256_file(part)
             if digest == expected:
                 part.replace(dest)
-                return Download(dest, ckpt, digest, dest.stat().st_size, resumed)
+                return Download(dest, record, digest, dest.stat().st_size, resumed)
             part.unlink(missing_ok=True)
             if attempt == 2 or resumed == 0:
                 raise ChecksumError(
@@ -661,6 +663,33 @@ class Client:
                 )
             have = 0
         raise AssertionError("unreachable")
+
+    # -- artifacts --------------------------------------------------------------------------
+
+    def artifacts(self, job_id: str) -> list[dict]:
+        """The files the job kept with `job.save_artifact` (name, bytes, sha256, ...)."""
+        return self._json("GET", f"/v1/jobs/{self._jid(job_id)}/artifacts").get("items", [])
+
+    def download_artifact(
+        self,
+        job_id: str,
+        name: str,
+        path: str | Path | None = None,
+        *,
+        on_progress: ProgressFn | None = None,
+    ) -> Download:
+        """Download the artifact `name` to `path` (default: `./<name>`; a directory: the
+        name in it) and verify its sha256, resumable as `download` is."""
+        job_id = self._jid(job_id)
+        items = self.artifacts(job_id)
+        found = next((a for a in items if a.get("name") == name), None)
+        if found is None:
+            listed = ", ".join(str(a.get("name")) for a in items) or "none"
+            raise _not_found(f"job {job_id} has no artifact {name!r}; available: {listed}")
+        if problem := artifact_name_problem(name):  # a file name, never a path
+            raise _not_found(problem)
+        url = f"/v1/jobs/{job_id}/artifacts/{_seg(name)}/download"
+        return self._verified_download(url, _destination(path, name), found, on_progress)
 
     def _from_store(self, redirect: httpx.Response, have: int) -> httpx.Response:
         """Follow a download's redirect to its object store's presigned URL: a request of
@@ -1043,6 +1072,15 @@ def set_at(spec: dict[str, Any], path: str, value: Any) -> None:
             raise ValueError(
                 f"{path}: {where} is a list; {part!r} is not an index up to {len(node)}"
             )
+
+
+def _destination(path: str | Path | None, name: str) -> Path:
+    """Where a download goes: `path`, or `name` in it when it is a directory, or `name`."""
+    if path is None:
+        return Path(name)
+    if str(path).endswith(("/", os.sep)) or Path(path).is_dir():  # a directory
+        return Path(path) / name
+    return Path(path)
 
 
 def default_filename(job_id: str, ckpt: Mapping[str, Any]) -> str:

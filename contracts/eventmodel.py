@@ -15,6 +15,7 @@ Fields no model names are kept when reading (a newer trainer) but refused when b
                 train_samples, val_samples, parameters
     metric      step, epoch, name, value (null: not finite)
     checkpoint  step, epoch, path, bytes, sha256, kind ("resume" | "weights"), pruned
+    artifact    step, name, path ("artifacts/<name>"), bytes, sha256 (`job.save_artifact`)
     progress    step, total_steps, epoch, samples_per_s, eta_s
     finished    step, epoch, metrics
     stopped     signal, step, checkpoint
@@ -31,7 +32,8 @@ counted and reported, when it names a problem): integers in range (a step is a
 non-negative 63-bit integer), numbers finite (but a metric's value, where a non-finite one
 means "not recorded"), no NUL or control characters in metric names, a metric name at most
 `EventLimits.metric_name_chars` long, checkpoint paths relative and inside the run
-directory with a sha256 of 64 hex digits, and error kinds from `ERROR_KINDS`. The line's
+directory with a sha256 of 64 hex digits, an artifact's name `ARTIFACT_NAME` and its path
+exactly `artifacts/<name>`, and error kinds from `ERROR_KINDS`. The line's
 size and the number of distinct metric names of a job are the worker's to count
 (`EventLimits`)."""
 
@@ -45,6 +47,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = [
+    "ARTIFACT_DIR",
+    "ARTIFACT_NAME",
     "ERROR_KINDS",
     "EVENT_TYPES",
     "HOST_FAULT_KINDS",
@@ -52,6 +56,7 @@ __all__ = [
     "EventBase",
     "EventLimits",
     "ValidationError",
+    "artifact_name_problem",
     "build_event",
     "event_dict",
     "event_problem",
@@ -112,6 +117,14 @@ class CheckpointEvent(EventBase):
     pruned: list[str] | None = None
 
 
+class ArtifactEvent(EventBase):
+    type: Literal["artifact"]
+    name: str | None = None
+    path: str | None = None  # always ARTIFACT_DIR/name: the worker refuses any other
+    bytes: int | None = None
+    sha256: str | None = None
+
+
 class Progress(EventBase):
     type: Literal["progress"]
     total_steps: int | None = None
@@ -152,6 +165,7 @@ Event = Annotated[
     Started
     | MetricEvent
     | CheckpointEvent
+    | ArtifactEvent
     | Progress
     | Finished
     | Stopped
@@ -164,6 +178,7 @@ EVENT_TYPES: dict[str, type[EventBase]] = {
     "started": Started,
     "metric": MetricEvent,
     "checkpoint": CheckpointEvent,
+    "artifact": ArtifactEvent,
     "progress": Progress,
     "finished": Finished,
     "stopped": Stopped,
@@ -221,9 +236,14 @@ worker's own (the run directory over TORCHYARD_MAX_RUN_DIR_BYTES)."""
 HOST_FAULT_KINDS = frozenset({"storage_full"})
 """Kinds that blame the host, not the job: the worker believes them only on its own evidence."""
 CHECKPOINT_KINDS = ("resume", "weights")
+MAX_ARTIFACTS = 1000  # distinct artifact names a job may keep (each is a row)
 MAX_PATH_CHARS = 500  # the store's checkpoint path column
 MAX_PRUNED = 1000  # paths one checkpoint event may report deleted
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+ARTIFACT_DIR = "artifacts"  # the run dir's folder of `job.save_artifact`'s files
+ARTIFACT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+"""An artifact's name: 1 to 128 of `A-Z a-z 0-9 . _ -`, not starting with a dot (so never
+`.`, `..` nor a hidden or temporary file); a file name alone, no folder."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -235,6 +255,7 @@ class EventLimits:
     line_bytes: int = 64 * 1024
     metric_name_chars: int = 100
     metric_names: int = 1000
+    artifacts: int = MAX_ARTIFACTS
 
 
 def _int_problem(key: str, v: int) -> str | None:
@@ -297,6 +318,27 @@ def _checkpoint_problem(ev: CheckpointEvent) -> str | None:
     return None
 
 
+def artifact_name_problem(name: object) -> str | None:
+    """Why `name` is not an artifact name (None: it is one)."""
+    if not isinstance(name, str) or not ARTIFACT_NAME.fullmatch(name):
+        shown = repr(name)[:80]
+        return (
+            f"artifact name {shown} must be 1 to 128 of A-Z, a-z, 0-9, '.', '_', '-', "
+            "not starting with '.'"
+        )
+    return None
+
+
+def _artifact_problem(ev: ArtifactEvent) -> str | None:
+    if problem := artifact_name_problem(ev.name):
+        return problem
+    if ev.path != f"{ARTIFACT_DIR}/{ev.name}":
+        return f"artifact path {str(ev.path)[:80]!r} must be {ARTIFACT_DIR}/<its name>"
+    if ev.sha256 is not None and not _SHA256.fullmatch(ev.sha256):
+        return "artifact sha256 must be 64 lowercase hex digits"
+    return None
+
+
 # The worker's system metrics (worker/sysmetrics.py) are the only series under this prefix:
 # a trainer's event naming one is set aside, so a job cannot forge its own GPU use.
 SYS_PREFIX = "sys/"
@@ -313,6 +355,8 @@ def _typed_problem(ev: EventBase, limits: EventLimits) -> str | None:
             return "metric name is empty or holds control characters"
     elif isinstance(ev, CheckpointEvent):
         return _checkpoint_problem(ev)
+    elif isinstance(ev, ArtifactEvent):
+        return _artifact_problem(ev)
     elif isinstance(ev, ErrorEvent) and ev.kind is not None and ev.kind not in ERROR_KINDS:
         return f"error kind {ev.kind[:40]!r} is not a known kind"
     return None

@@ -1,5 +1,6 @@
 """Checkpoint rows: recorded by the worker when the trainer announces a complete file; and
-where a recorded checkpoint's file is in storage (its key, checked)."""
+where a recorded checkpoint's file is in storage (its key, checked; an artifact's too,
+store/artifacts.py: its file is kept the same way)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from sqlalchemy.orm import Session
 
 from torchyard.storage import Storage
 from torchyard.storage.keys import UnsafePath
-from torchyard.store.models import Checkpoint
+from torchyard.store.models import Artifact, Checkpoint
+
+StoredFile = Checkpoint | Artifact  # a row naming a job file by path and sha256
 
 
 def record_checkpoint(
@@ -75,14 +78,14 @@ def latest_checkpoint(session: Session, job_id: str, kind: str = "resume") -> Ch
     )
 
 
-def checkpoint_key(storage: Storage, row: Checkpoint) -> str:
+def checkpoint_key(storage: Storage, row: StoredFile) -> str:
     """The storage key to read a checkpoint's file from (`Storage.recorded_file_key`: in
     an object store it names the recorded sha256 too, or it is an earlier release's plain
     key); UnsafePath when its recorded path would leave its job's folder."""
     return storage.recorded_file_key(row.job_id, row.path, row.sha256)
 
 
-def checkpoint_file(storage: Storage, row: Checkpoint) -> Path | None:
+def checkpoint_file(storage: Storage, row: StoredFile) -> Path | None:
     """Check that a checkpoint's file is there: UnsafePath when it would leave its job's
     folder (symlinks resolved), FileNotFoundError when it is gone. Returns its own local
     file where the backend has one (what a FileResponse serves), else None (read it
@@ -98,7 +101,7 @@ def checkpoint_file(storage: Storage, row: Checkpoint) -> Path | None:
     return path
 
 
-def checkpoint_available(storage: Storage, row: Checkpoint) -> bool:
+def checkpoint_available(storage: Storage, row: StoredFile) -> bool:
     """Whether the checkpoint's file can be served (there, and inside its job's folder)."""
     try:
         checkpoint_file(storage, row)

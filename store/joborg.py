@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from torchyard.contracts import spec as job_spec
 from torchyard.storage import Storage, job_prefix
 from torchyard.store.models import (
+    Artifact,
     Assignment,
     Attempt,
     Checkpoint,
@@ -210,7 +211,8 @@ def check_deletable(session: Session, job: Job) -> None:
 # Several have ON DELETE CASCADE, but SQLite honours it only with its foreign_keys pragma,
 # and metrics have no foreign key at all (migration 0010): each is deleted by name.
 _CHILDREN: tuple[Any, ...] = (
-    JobTag, JobEvent, Assignment, Attempt, Checkpoint, IdempotencyKey, Metric, MetricBlock,
+    JobTag, JobEvent, Assignment, Attempt, Checkpoint, Artifact, IdempotencyKey, Metric,
+    MetricBlock,
 )  # fmt: skip
 
 

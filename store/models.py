@@ -436,6 +436,23 @@ class Checkpoint(Base):
     __table_args__ = (UniqueConstraint("job_id", "path", name="uq_checkpoints_job_path"),)
 
 
+class Artifact(Base):
+    """A file a script job kept with `job.save_artifact` (`artifacts/<name>` of its run dir;
+    migration 0021). One row per name: saving a name again replaces the row."""
+
+    __tablename__ = "artifacts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    # Relative to the job's directory: always artifacts/<name>.
+    path: Mapped[str] = mapped_column(String(500))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))  # measured by the worker
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (UniqueConstraint("job_id", "name", name="uq_artifacts_job_name"),)
+
+
 class IdempotencyKey(Base):
     __tablename__ = "idempotency_keys"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -52,6 +52,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "logs": ("torchyard.client.cli", "main", "show a job's log"),
     "metrics": ("torchyard.client.cli", "main", "show a job's metrics"),
     "download": ("torchyard.client.cli", "main", "download a checkpoint"),
+    "artifacts": ("torchyard.client.cli", "main", "list a job's artifacts, or download one"),
     "tag": ("torchyard.client.cli", "main", "add or remove a job's tags"),
     "note": ("torchyard.client.cli", "main", "set a job's note"),
     "archive": ("torchyard.client.cli", "main", "hide a job from default lists (--undo)"),

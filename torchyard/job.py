@@ -13,6 +13,7 @@
             job.save({...}, step)
             break                          # the job resumes later from that save
     job.save_weights(net.state_dict())     # the final model.safetensors
+    job.save_artifact("confusion.png")     # any file (or bytes, with a name) kept with the job
 
 Under torchyard (a script job: `entrypoint` in the spec) the runner has already joined the
 process group and pinned the device; these calls write the job's events, checkpoints and
@@ -29,6 +30,7 @@ hand), so that a script needs nothing else of torchyard.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -39,11 +41,11 @@ import signal
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,7 @@ __all__ = [
     "params",
     "restore",
     "save",
+    "save_artifact",
     "save_weights",
     "set_total",
     "setup",
@@ -67,6 +70,9 @@ STATE_KEY = "state"
 LOCAL_RUN_DIR = "torchyard-run"
 LOCAL_KEEP_LAST = 3
 PARAMS_ENV = "TORCHYARD_PARAMS"  # job.params() by hand; set by the runner for its children
+ARTIFACT_DIR = "artifacts"  # the run dir's folder of save_artifact's files
+# As contracts/eventmodel.py's ARTIFACT_NAME (this module imports no torchyard module).
+ARTIFACT_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _PLAIN = (str, int, float, bool, type(None))
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP, torch.compile
 
@@ -94,6 +100,8 @@ class Backend(Protocol):
     def save(self, state: dict[str, Any], step: int) -> None: ...
 
     def save_weights(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def save_artifact(self, source: bytes | Path, name: str) -> None: ...
 
     def restore(self) -> dict[str, Any] | None: ...
 
@@ -198,6 +206,35 @@ def save_weights(state_dict: Mapping[str, torch.Tensor]) -> None:
     (DDP) or `_orig_mod.` (torch.compile) is dropped from every key, so the file loads into
     the bare model."""
     _get().save_weights(bare_weights(state_dict))
+
+
+def save_artifact(path_or_bytes: str | os.PathLike[str] | bytes, name: str | None = None) -> None:
+    """Keep a file with the job: a plot, a confusion matrix, a config. `path_or_bytes` is a
+    file to copy, or the bytes themselves; `name` (the file's own name by default; needed
+    with bytes) is 1 to 128 of `A-Z a-z 0-9 . _ -`, not starting with a dot (ValueError).
+    Rank 0 writes it atomically to `artifacts/<name>` of the run dir (saving a name again
+    replaces it; the other ranks return at once). Under torchyard the job's page lists it
+    and shows it when it is a PNG, JPEG, GIF or WebP image (`torchyard artifacts JOB`);
+    it counts in the run directory's size limit. By hand: ./torchyard-run/artifacts/."""
+    if isinstance(path_or_bytes, bytes | bytearray | memoryview):
+        source: bytes | Path = bytes(path_or_bytes)
+        if name is None:
+            raise ValueError("job.save_artifact: name= is needed when saving bytes")
+    elif isinstance(path_or_bytes, str | os.PathLike):
+        source = Path(path_or_bytes)
+        if not source.is_file():
+            raise FileNotFoundError(f"job.save_artifact: no such file: {str(source)!r}")
+        name = source.name if name is None else name
+    else:
+        raise TypeError(
+            "job.save_artifact: pass a file path or bytes, not " + type(path_or_bytes).__name__
+        )
+    if not isinstance(name, str) or not ARTIFACT_NAME.fullmatch(name):
+        raise ValueError(
+            f"job.save_artifact: name {name!r} must be 1 to 128 of A-Z, a-z, 0-9, '.', '_', "
+            "'-', not starting with '.'"
+        )
+    _get().save_artifact(source, name)
 
 
 def restore() -> dict[str, Any] | None:
@@ -402,6 +439,10 @@ class _LocalBackend:
             self.ctx.run_dir / "model.safetensors", safetensors_save(unshared_cpu(tensors))
         )
 
+    def save_artifact(self, source: bytes | Path, name: str) -> None:
+        if self.ctx.is_main:
+            write_artifact(self.ctx.run_dir, name, source)
+
     def restore(self) -> dict[str, Any] | None:
         found = _checkpoints(self.ctx.run_dir / "checkpoints")
         return read_state(found[-1]) if found else None
@@ -432,13 +473,39 @@ def _checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def write_artifact(run_dir: Path, name: str, source: bytes | Path) -> tuple[int, str]:
+    """`source` (bytes, or a file copied block by block) to run_dir/artifacts/<name>, as
+    `write_file_atomic` writes; (bytes, sha256) of what was written."""
+    h, n = hashlib.sha256(), 0
+
+    def fill(f: BinaryIO) -> None:
+        nonlocal n
+        if isinstance(source, bytes):
+            f.write(source)
+            h.update(source)
+            n = len(source)
+            return
+        with source.open("rb") as src:
+            while block := src.read(1 << 20):
+                f.write(block)
+                h.update(block)
+                n += len(block)
+
+    _atomic(run_dir / ARTIFACT_DIR / name, fill)
+    return n, h.hexdigest()
+
+
 def write_file_atomic(final: Path, data: bytes | memoryview) -> None:
     """temp file, fsync, rename, fsync the directory: the name only ever holds a whole file."""
+    _atomic(final, lambda f: f.write(data))
+
+
+def _atomic(final: Path, fill: Callable[[BinaryIO], Any]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -20,7 +20,9 @@ the script ends, so that a finished job shows its last step (of the declared len
 itself); resume checkpoints `checkpoints/step-XXXXXXXX.pt` through
 trainer/checkpoint.py, pruned to `checkpoint.keep_last` and announced as `checkpoint`
 events (`job.save`), which is where the worker finds the next attempt's `--resume`; the
-final `model.safetensors` (`job.save_weights`). `job.restore()` reads `--resume`.
+final `model.safetensors` (`job.save_weights`); any file the script keeps with the job,
+`artifacts/<name>` announced as an `artifact` event (`job.save_artifact`). `job.restore()`
+reads `--resume`.
 """
 
 from __future__ import annotations
@@ -192,6 +194,13 @@ class ScriptBackend:
         w = export_weights(self.r.run_dir, job.unshared_cpu(tensors), meta)
         self.r.events.emit("checkpoint", step=self.last_step, path=w.path, bytes=w.bytes,
                            sha256=w.sha256, kind="weights")  # fmt: skip
+
+    def save_artifact(self, source: bytes | Path, name: str) -> None:
+        if not self.d.is_main:
+            return
+        size, sha256 = job.write_artifact(self.r.run_dir, name, source)
+        self.r.events.emit("artifact", step=self.last_step, name=name,
+                           path=f"{job.ARTIFACT_DIR}/{name}", bytes=size, sha256=sha256)  # fmt: skip
 
     def restore(self) -> dict[str, Any] | None:
         return job.read_state(self.r.resume) if self.r.resume is not None else None

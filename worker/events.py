@@ -1,6 +1,6 @@
 """Reading the trainer's events.jsonl as it grows, and writing what it says to the store
 in batches (one transaction per batch, idempotent: metrics on (job, name, step),
-checkpoints on (job, path)).
+checkpoints on (job, path), artifacts on (job, name)).
 
 Each batch commits, with its rows, the byte offset it reaches (the attempt's
 `events_offset`), and is fenced by the attempt: a supervisor whose attempt was ended
@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from torchyard.contracts.eventmodel import (
     CHECKPOINT_KINDS,
+    ArtifactEvent,
     CheckpointEvent,
     ErrorEvent,
     Event,
@@ -50,6 +51,7 @@ from torchyard.contracts.eventmodel import (
 from torchyard.settings import Settings
 from torchyard.storage import Storage, Tail, beneath
 from torchyard.storage.local import FileTail
+from torchyard.store.artifacts import record_artifact
 from torchyard.store.attempts import fence_flush, note_attempt
 from torchyard.store.checkpoints import mark_deleted, record_checkpoint, unrecorded_files
 from torchyard.store.ingest import refused_by_store
@@ -343,6 +345,10 @@ class EventRecorder:
     offset: int | None = None  # where the buffered events end in the file
     limits: EventLimits = field(default_factory=EventLimits)
     names: set[str] = field(default_factory=set)
+    # `job.save_artifact`'s files of the batch, the last event of each name (an earlier
+    # one's file was replaced by the later one's); the job's artifact names so far.
+    artifacts: list[ArtifactEvent] = field(default_factory=list)
+    artifact_names: set[str] = field(default_factory=set)
     set_aside: SetAside = field(default_factory=SetAside)
     # Where the run dir is not the stored objects: checkpoints go up before their rows.
     uploads: CheckpointUploads | None = None
@@ -372,6 +378,8 @@ class EventRecorder:
     def _refused(self, ev: Event) -> str | None:
         """Why this event is not taken (its own rules, then the job's name budget)."""
         problem = event_problem(ev, self.limits)
+        if problem is None and isinstance(ev, ArtifactEvent) and ev.name is not None:
+            return self._artifact_refused(ev.name)
         if problem is not None or not isinstance(ev, MetricEvent) or ev.name is None:
             return problem
         if ev.name not in self.names:
@@ -381,6 +389,16 @@ class EventRecorder:
                     f"(TORCHYARD_MAX_METRIC_NAMES is {self.limits.metric_names})"
                 )
             self.names.add(ev.name)
+        return None
+
+    def _artifact_refused(self, name: str) -> str | None:
+        if name not in self.artifact_names:
+            if len(self.artifact_names) >= self.limits.artifacts:
+                return (
+                    f"artifact {name!r}: the job has {len(self.artifact_names)} artifacts "
+                    f"already (at most {self.limits.artifacts})"
+                )
+            self.artifact_names.add(name)
         return None
 
     def add(self, ev: Event | dict[str, Any], offset: int | None = None) -> None:
@@ -402,8 +420,21 @@ class EventRecorder:
             isinstance(ev, CheckpointEvent) and ev.kind in CHECKPOINT_KINDS and ev.path is not None
         ):
             self.checkpoints.append(ev)
+        elif isinstance(ev, ArtifactEvent):
+            self._replace_artifact(ev)
         if self._own(ev):
             self._follow(ev)
+
+    def _replace_artifact(self, ev: ArtifactEvent) -> None:
+        """`ev` in the batch in place of an earlier save of its name, whose upload (begun
+        for bytes the file no longer holds) is let go and its object dropped."""
+        for a in self.artifacts:
+            path = a.path or ""
+            if a.name == ev.name and self.uploads is not None and self.uploads.started(path):
+                self.uploads.forget([path])
+                if a.sha256 and a.sha256 != ev.sha256:
+                    self.dropped_uploads.append((path, a.sha256))
+        self.artifacts = [a for a in self.artifacts if a.name != ev.name] + [ev]
 
     def _follow(self, ev: Event) -> None:
         """What this attempt's own event says about the run."""
@@ -439,6 +470,7 @@ class EventRecorder:
         return (
             len(self.metrics)
             + len(self.checkpoints)
+            + len(self.artifacts)
             + int(self.progress is not None)
             + int(self.started_pending)
             + int(self.set_aside.count != self._reported)
@@ -472,6 +504,21 @@ class EventRecorder:
                 raise
             self.set_aside.add(f"checkpoint {c.path!r}: the store refused it ({_short(e)})")
 
+    def _write_artifact(self, session: Session, a: ArtifactEvent) -> None:
+        """One artifact row, in a savepoint; the object of the file it replaced goes."""
+        try:
+            with session.begin_nested():
+                before = record_artifact(session, self.job_id, name=a.name or "",
+                                         bytes=a.bytes or 0, sha256=a.sha256 or "")  # fmt: skip
+            if before is not None:
+                self.pruned_stored.append((a.path or "", before))
+        except (UnsafePath, ValueError, TypeError) as e:
+            self.set_aside.add(f"artifact event refused: {e}")
+        except Exception as e:
+            if not refused_by_store(e):
+                raise
+            self.set_aside.add(f"artifact {a.name!r}: the store refused it ({_short(e)})")
+
     def write(self, session: Session) -> None:
         """Write the buffer in the caller's transaction, fenced by the attempt (raises
         store.lifecycle.Fenced when it has ended); `clear()` after it commits."""
@@ -485,7 +532,9 @@ class EventRecorder:
             session,
             self.attempt_id,
             self.offset,
-            touch_job=bool(self.metrics or self.checkpoints or progress or report),
+            touch_job=bool(
+                self.metrics or self.checkpoints or self.artifacts or progress or report
+            ),
             progress=progress,
         )
         if self.started_pending:
@@ -494,6 +543,8 @@ class EventRecorder:
             ingest_metrics(session, self.job_id, self.metrics)
         for c in self.checkpoints:
             self._write_checkpoint(session, c)
+        for a in self.artifacts:
+            self._write_artifact(session, a)
         if self.pruned_unrecorded:
             self.pruned_stored += mark_deleted(session, self.job_id, self.pruned_unrecorded)
         if self.dropped_uploads:
@@ -520,6 +571,7 @@ class EventRecorder:
                 self._drop(stage, e)
         if self.uploads is not None:
             self.uploads.forget([c.path or "" for c in self.checkpoints])
+            self.uploads.forget([a.path or "" for a in self.artifacts])
             self.uploads.forget([p for p, _ in self.dropped_uploads])
             self.uploads.delete_pruned(self.pruned_stored)
         self.clear()
@@ -531,10 +583,14 @@ class EventRecorder:
         than the store takes them sends only what it keeps), and one whose file is gone
         is skipped: either way what it pruned still stops being listed."""
         self.waiting_upload = False
-        if self.uploads is None or not self.checkpoints:
+        if self.uploads is None:
+            return
+        pending = self._await_artifact_uploads(self.uploads)
+        if not self.checkpoints:
+            self._pending_uploads(pending)
             return
         superseded = {p for c in self.checkpoints for p in c.pruned or []}
-        keep, pending = [], 0
+        keep = []
         for c in self.checkpoints:
             try:
                 if c.path in superseded:
@@ -552,33 +608,47 @@ class EventRecorder:
                 continue
             keep.append(c)
         self.checkpoints = keep
+        self._pending_uploads(pending)
+
+    def _pending_uploads(self, pending: int) -> None:
         if pending:
             self.waiting_upload = True
-            raise UploadPending(f"{pending} checkpoint(s) still going up to the object store")
+            raise UploadPending(f"{pending} file(s) still going up to the object store")
+
+    def _await_artifact_uploads(self, uploads: CheckpointUploads) -> int:
+        """The artifacts of the batch: how many are not durable yet; one that never can be
+        (a link, or replaced by a later save before it went up) is dropped."""
+        keep, pending = [], 0
+        for a in self.artifacts:
+            try:
+                pending += not uploads.ready(a)
+            except CheckpointRefused as e:
+                log.info("job %s: artifact %s not stored: %s", self.job_id, a.name, e)
+                continue
+            keep.append(a)
+        self.artifacts = keep
+        return pending
 
     def _measure(self) -> None:
         """Each checkpoint of the batch gets the sha256 and size the worker measured: read
         from the run dir by descriptor (a local one) or counted while it went up (an
         object store). One whose bytes do not hash to what its event announced, or whose
         file cannot be read, is set aside; what it pruned still stops being listed."""
+        self._measure_artifacts()
         keep = []
         for c in self.checkpoints:
             path = c.path or ""
-            got = self._measured.get(path)
-            if got is None and self.uploads is not None:
-                got = self.uploads.measured.get(path)
-            if got is None and self.measure is not None:
-                try:
-                    got = self._measured[path] = self.measure(path)
-                except FileNotFoundError:  # pruned by a later save already (keep_last)
-                    log.info("job %s: checkpoint %s is gone before it was recorded",
-                             self.job_id, path)  # fmt: skip
-                    self.pruned_unrecorded.extend(c.pruned or [])
-                    continue
-                except (OSError, UnsafePath) as e:
-                    self.set_aside.add(f"checkpoint {path}: its file cannot be read ({e})")
-                    self.pruned_unrecorded.extend(c.pruned or [])
-                    continue
+            try:
+                got = self._measured_file(path)
+            except FileNotFoundError:  # pruned by a later save already (keep_last)
+                log.info("job %s: checkpoint %s is gone before it was recorded",
+                         self.job_id, path)  # fmt: skip
+                self.pruned_unrecorded.extend(c.pruned or [])
+                continue
+            except (OSError, UnsafePath) as e:
+                self.set_aside.add(f"checkpoint {path}: its file cannot be read ({e})")
+                self.pruned_unrecorded.extend(c.pruned or [])
+                continue
             if got is None:  # nothing measures (a recorder of its own, in tests)
                 keep.append(c)
                 continue
@@ -591,6 +661,35 @@ class EventRecorder:
             keep.append(c.model_copy(update={"sha256": got[0], "bytes": got[1]}))
         self.checkpoints = keep
 
+    def _measured_file(self, path: str) -> tuple[str, int] | None:
+        """(sha256, bytes) of a file of the batch as the worker measured it (counted on its
+        way up, or read by descriptor now); None when nothing measures."""
+        got = self._measured.get(path)
+        if got is None and self.uploads is not None:
+            got = self.uploads.measured.get(path)
+        if got is None and self.measure is not None:
+            got = self._measured[path] = self.measure(path)
+        return got
+
+    def _measure_artifacts(self) -> None:
+        """Each artifact gets the sha256 and size the worker measured. One whose file is gone
+        or no longer holds the bytes its event announced was replaced by a later save
+        (whose own event records it) or tampered with: it is not recorded."""
+        keep = []
+        for a in self.artifacts:
+            try:
+                got = self._measured_file(a.path or "")
+            except (OSError, UnsafePath) as e:
+                self.set_aside.add(f"artifact {a.name}: its file cannot be read ({e})")
+                continue
+            if got is not None and a.sha256 and a.sha256 != got[0]:
+                log.info("job %s: artifact %s changed before it was recorded", self.job_id, a.name)
+                continue
+            keep.append(
+                a if got is None else a.model_copy(update={"sha256": got[0], "bytes": got[1]})
+            )
+        self.artifacts = keep
+
     def _drop(self, stage: int, e: BaseException) -> None:
         why = f"the store refused the batch ({_short(e)})"
         log.warning("job %s: %s; setting it aside", self.job_id, why)
@@ -598,13 +697,15 @@ class EventRecorder:
             self.set_aside.add(f"{len(self.metrics)} metric points: {why}", len(self.metrics))
             self.metrics = []
             return
-        n = len(self.metrics) + len(self.checkpoints) + int(self.progress is not None)
+        n = len(self.metrics) + len(self.checkpoints) + len(self.artifacts)
+        n += int(self.progress is not None)
         self.set_aside.add(f"{n} events: {why}", max(n, 1))
-        self.metrics, self.checkpoints, self.progress = [], [], None
+        self.metrics, self.checkpoints, self.artifacts, self.progress = [], [], [], None
 
     def clear(self) -> None:
         """After `write` committed: the buffer is in the store, the set-aside count too."""
         self.metrics, self.checkpoints, self.pruned_unrecorded = [], [], []
+        self.artifacts = []
         self.pruned_stored, self.dropped_uploads = [], []
         self.progress, self.started_pending = None, False
         self._reported = self.set_aside.count

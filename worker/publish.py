@@ -3,7 +3,7 @@ store (a storage whose run directories are not its stored objects: `Storage.stor
 is False), off the training path: the trainer writes files and events locally as ever, and
 the worker's threads move them.
 
-- Checkpoints and weights (`CheckpointUploads`): each announced file is uploaded, with the
+- Checkpoints, weights and artifacts (`CheckpointUploads`): each announced file is uploaded, with the
   sha256 the trainer announced checked against the bytes sent, before its event is
   recorded, to a key that names that sha256 (`Storage.checkpoint_key`): a fenced attempt
   still uploading can never replace what a later attempt recorded under the same path. The recorder asks `ready(event)` before each commit; until every checkpoint of
@@ -40,7 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchyard.contracts.eventmodel import CheckpointEvent
+from torchyard.contracts.eventmodel import ArtifactEvent, CheckpointEvent
 from torchyard.storage import Storage, UnsafePath, beneath, job_key
 from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.local import LocalStorage, open_regular
@@ -138,7 +138,7 @@ class CheckpointUploads:
         self._queue.put((fn, fut))
         return fut
 
-    def ready(self, c: CheckpointEvent) -> bool:
+    def ready(self, c: CheckpointEvent | ArtifactEvent) -> bool:
         """Whether `c`'s file is durable in the store (its upload is started if not).
         CheckpointRefused when it never can be; a failed upload is retried with backoff."""
         path = c.path or ""
@@ -164,7 +164,7 @@ class CheckpointUploads:
             up.future, up.retry_at = self._submit(lambda: self._upload(c)), 0.0
         return False
 
-    def _upload(self, c: CheckpointEvent) -> None:
+    def _upload(self, c: CheckpointEvent | ArtifactEvent) -> None:
         if c.sha256 is None:
             raise CheckpointRefused(
                 f"checkpoint {c.path!r}: announced without its sha256, which an object store "
@@ -192,7 +192,7 @@ class CheckpointUploads:
                     f"announced ({e})"
                 ) from None
 
-    def _already_stored(self, c: CheckpointEvent) -> bool:
+    def _already_stored(self, c: CheckpointEvent | ArtifactEvent) -> bool:
         try:
             key = self.storage.checkpoint_key(self.job_id, c.path or "", c.sha256 or "")
             info = self.storage.stat(key)

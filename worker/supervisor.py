@@ -44,6 +44,7 @@ from torchyard.storage import Storage, beneath, run_dir, storage_for
 from torchyard.storage.base import ChecksumMismatch
 from torchyard.storage.keys import UnsafePath, job_key
 from torchyard.storage.local import LocalStorage
+from torchyard.store.artifacts import artifact_names
 from torchyard.store.attempts import (
     A_CANCELLED,
     A_FAILED,
@@ -300,7 +301,8 @@ class Supervision:
         self.sys_refused: set[str] = set()  # sys/ names the job's metric rules refused
 
     def _measure_checkpoint(self, rel: str) -> tuple[str, int]:
-        """(sha256, bytes) of a checkpoint in the local run dir, read by descriptor."""
+        """(sha256, bytes) of a checkpoint (or an artifact) in the local run dir, read by
+        descriptor."""
         return beneath.hash_file(self.run_dir, rel)
 
     def _tx(self, fn: Callable[[Any], T]) -> T:
@@ -327,8 +329,10 @@ class Supervision:
         # The job's names so far (one more than it may hold tells it is full), shared.
         top = rec.limits.metric_names + 1
         rec.names.update(self._tx(lambda s: metric_names(s, self.c.job_id, limit=top)))
+        rec.artifact_names.update(self._tx(lambda s: artifact_names(s, self.c.job_id)))
         backlog = EventRecorder(self.c.job_id, self.c.attempt_id, None, limits=rec.limits,
                                 names=rec.names, set_aside=rec.set_aside,
+                                artifact_names=rec.artifact_names,
                                 uploads=self.uploads, measure=rec.measure)  # fmt: skip
         tail = EventTail.open(self.events_store, events, start, rec.limits.line_bytes)
         n = 0

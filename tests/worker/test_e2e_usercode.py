@@ -134,6 +134,27 @@ BUNDLE_LONG: dict[str, Any] = {
     "seed": 11,
 }
 SCRIPT_SPEC: dict[str, Any] = {"entrypoint": {"script": "train.py", "args": []}}
+# A script that keeps a plot (a PNG it draws with the standard library) and a config.
+ARTIFACTS = r"""
+import os, struct, tempfile, zlib
+from torchyard import job
+
+def png(w, h):
+    raw = b"".join(b"\0" + bytes(v for x in range(w) for v in (x * 32 % 256, y * 32 % 256, 128))
+                   for y in range(h))
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    head = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", zlib.compress(raw))
+            + chunk(b"IEND", b""))
+
+job.setup()
+job.log(1, loss=1.0)
+job.save_artifact(png(8, 8), name="plot.png")
+cfg = os.path.join(tempfile.mkdtemp(), "config.yaml")  # the bundle is read-only
+open(cfg, "w").write("lr: 0.05\n")
+job.save_artifact(cfg)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +166,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "client").mkdir()
     (d / "client" / "__init__.py").write_text(USER_CLIENT)
     (d / "train.py").write_text(SCRIPT)
+    (d / "artifacts.py").write_text(ARTIFACTS)
     return d
 
 
@@ -273,6 +295,22 @@ def test_script_jobs_at_world_size_1_and_2(cluster: Cluster, sdk: Client, bundle
     assert [w["rank"] for w in cluster.job(two["id"])["attempts"][0]["workers"]] == [0, 1]
     r = cluster.http.get(f"/v1/jobs/{two['id']}/checkpoints/latest/download")
     assert r.status_code == 200
+
+
+def test_a_script_jobs_artifacts_are_listed_and_download_with_their_sha256(
+    cluster: Cluster, sdk: Client, bundle: Path, tmp_path: Path
+) -> None:
+    job = sdk.submit({"entrypoint": {"script": "artifacts.py"}}, code=bundle)
+    cluster.wait_state(job["id"], "succeeded", timeout=120)
+    listed = {a["name"]: a for a in sdk.artifacts(job["id"])}
+    assert sorted(listed) == ["config.yaml", "plot.png"]
+    dl = sdk.download_artifact(job["id"], "plot.png", tmp_path)
+    assert dl.sha256 == listed["plot.png"]["sha256"] and dl.path.read_bytes()[:4] == b"\x89PNG"
+    assert sdk.download_artifact(job["id"], "config.yaml", tmp_path).path.read_text() == (
+        "lr: 0.05\n"
+    )
+    r = cluster.http.get(f"/v1/jobs/{job['id']}/artifacts/plot.png/download")
+    assert r.headers["content-type"] == "image/png"
 
 
 def test_script_job_resumes_after_a_sigkill(cluster: Cluster, sdk: Client, bundle: Path) -> None:
