@@ -3,7 +3,7 @@
 // their download links, Cancel, and the spec. Live through the job's own event stream.
 // Its tags, notes, archive, delete and re-run: job_organise.js. Its System panel (the
 // workers' samples, by time): job_system.js. The log's search box:
-// job_logsearch.js.
+// job_logsearch.js. Its artifacts (a table and the images): job_artifacts.js.
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, metricGroups } from "../chart.js";
 import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, jobStateBadge, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
@@ -11,6 +11,7 @@ import { ATTEMPT, ATTEMPT_COUNTED, JOB, JOB_TERMINAL as TERMINAL } from "../stat
 import { headActions, organiser } from "./job_organise.js";
 import { isSystem, systemPanel } from "./job_system.js";
 import { logSearch } from "./job_logsearch.js";
+import { artifactsPanel } from "./job_artifacts.js";
 
 const LOG_TAIL = 256 * 1024;
 const LOG_END = "4611686018427387904"; // 2**62, the largest offset: the answer is the size
@@ -63,6 +64,8 @@ export async function jobPage(root, { params, navigate, session }) {
   replace(root, parts.head, parts.info, org.el, parts.charts, system.el, parts.attempts, parts.checkpoints,
     h("section", {}, h("h2", {}, "Log"), logSearch(id).el, parts.logs), h("section", {}, h("h2", {}, "Spec"), parts.spec), dialog);
 
+  const artifacts = artifactsPanel(id);
+  parts.checkpoints.after(artifacts.el); // the job's files, below its checkpoints
   const charts = new Map(); // group title -> MetricChart
   let job = null, es = null, logOffset = null, closed = false, canChange = null;
 
@@ -196,6 +199,7 @@ export async function jobPage(root, { params, navigate, session }) {
   const jobSoon = throttle(quietly(refreshJob), 500);
   const logSoon = throttle(quietly(refreshLog), 1000);
   const ckptSoon = throttle(quietly(refreshCheckpoints), 1000);
+  const artifactsSoon = throttle(quietly(artifacts.refresh), 5000); // no event of their own
   const progressSoon = throttle(quietly(refreshJob), 2000);
 
   function follow() {
@@ -205,15 +209,16 @@ export async function jobPage(root, { params, navigate, session }) {
         const chart = charts.get(metricGroups([m.name])[0].title);
         if (!chart || !chart.append(id, m.name, m.step, m.value)) ensureCharts([...allNames(), m.name]);
         progressSoon(); // progress moves with the curves; the stream does not carry it
+        artifactsSoon();
       },
-      state: () => jobSoon(),
-      checkpoint: () => ckptSoon(),
+      state: () => { jobSoon(); artifactsSoon(); },
+      checkpoint: () => { ckptSoon(); artifactsSoon(); },
       // What has no event of its own: the log grew, or the scheduler's reason changed.
       status: (s) => {
         if (logOffset != null && s.log_size > logOffset) logSoon();
         if (job && (s.pending_reason || null) !== (job.pending_reason || null)) jobSoon();
       },
-      end: () => { stop(); refreshJob(); refreshCheckpoints(); refreshLog(); for (const c of charts.values()) c.load(); system.load(); },
+      end: () => { stop(); refreshJob(); refreshCheckpoints(); refreshLog(); quietly(artifacts.refresh)(); for (const c of charts.values()) c.load(); system.load(); },
     });
   }
   const allNames = () => [...charts.values()].flatMap((c) => c.sources.map((s) => s.name));
@@ -224,12 +229,12 @@ export async function jobPage(root, { params, navigate, session }) {
   }
 
   await refreshJob();
-  await Promise.all([refreshCheckpoints(), refreshLog()].map((p) => p.catch(() => {})));
+  await Promise.all([refreshCheckpoints(), refreshLog(), artifacts.refresh()].map((p) => p.catch(() => {})));
   if (!TERMINAL.has(job.state) && !closed) follow();
   return () => {
     closed = true;
     stop();
-    jobSoon.cancel(); logSoon.cancel(); ckptSoon.cancel(); progressSoon.cancel();
+    jobSoon.cancel(); logSoon.cancel(); ckptSoon.cancel(); progressSoon.cancel(); artifactsSoon.cancel();
     for (const c of charts.values()) c.destroy();
     system.destroy();
   };
