@@ -87,16 +87,17 @@ def table_page(
     offset: int = 0,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
-    """A page of the table, newest first: each job's columns, `owner`, `project`, `latest` (the
-    newest value of each TABLE_METRICS name, when recorded) and `workers` (the ids of the
-    workers of its running attempt, by rank)."""
+    """A page of the table, newest first: each job's columns, its spec's `params` (None when
+    it has none), `owner`, `project`, `latest` (the newest value of each TABLE_METRICS name,
+    when recorded) and `workers` (the ids of the workers of its running attempt, by rank)."""
     where = _filters(viewer, text, tag)
     if states:
         where.append(Job.state.in_(list(states)))
     cols = (Job.id, Job.name, Job.state, Job.progress, Job.world_size, Job.attempt,
             Job.created_at, Job.started_at, Job.finished_at, Job.pending_reason,
-            Job.sweep_id, Job.tags, User.name.label("owner"),
-            Project.name.label("project"), pruned_trial().label("pruned"))  # fmt: skip
+            Job.sweep_id, Job.tags, Job.spec["params"].label("params"),
+            User.name.label("owner"), Project.name.label("project"),
+            pruned_trial().label("pruned"))  # fmt: skip
     rows = session.execute(
         select(*cols)
         .join(User, User.id == Job.owner_id)

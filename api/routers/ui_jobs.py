@@ -47,6 +47,9 @@ class TableRow(BaseModel):
     sweep_id: str | None
     pruned: bool = Field(default=False, description="a sweep's pruner stopped it (GET /v1/jobs)")
     tags: list[str] = Field(default=[], description="its tags (PATCH /v1/jobs/{id})")
+    params: dict[str, str | int | float | bool] = Field(
+        default={}, description="its spec's params (the table's parameter columns)"
+    )
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -68,7 +71,7 @@ def _row(r: dict[str, Any]) -> TableRow:
     pruned = bool(r["pruned"]) and r["state"] in (JobState.CANCELLING, JobState.CANCELLED)
     return TableRow.model_validate(
         {**r, "progress": progress, "latest": {k: _finite(v) for k, v in r["latest"].items()},
-         "pending_reason": reason, "pruned": pruned}
+         "pending_reason": reason, "pruned": pruned, "params": r["params"] or {}}
     )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""A job's `params` through HTTP, on each database backend: kept in its spec as given, and
+"""A job's `params` through HTTP, on each database backend: kept in its spec as given, read
+back for the dashboard's table (a JSON member of the stored spec), and
 `GET /v1/jobs?param=name:value` matching the stored JSON value in SQL (a JSON member read
 per dialect, every part a bound parameter), alone and together, within what the caller may
 see; bad params and bad filters are a 422 naming the field."""
@@ -94,3 +95,13 @@ def test_bad_params_are_422_naming_each(client: TestClient, alice: Headers) -> N
 def test_a_spec_without_params_stores_none(client: TestClient, alice: Headers) -> None:
     r = client.post("/v1/jobs", json=SPEC, headers=alice)
     assert r.status_code == 201 and "params" not in r.json()["spec"]
+
+
+def test_the_dashboards_table_rows_carry_params(client: TestClient, alice: Headers) -> None:
+    _submit(client, alice, "a", {"lr": 0.1, "arch": "wide", "on": False})
+    client.post("/v1/jobs", json=SPEC | {"name": "none"}, headers=alice)
+    rows = client.get("/v1/ui/jobs", headers=alice).json()["items"]
+    assert {r["name"]: r["params"] for r in rows} == {
+        "a": {"lr": 0.1, "arch": "wide", "on": False},
+        "none": {},
+    }

@@ -6,6 +6,7 @@ CI=true, where they must run and fail loudly instead."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,25 @@ def shot(request: pytest.FixtureRequest) -> Callable[[Any, str], None]:
 
     def take(page: Any, name: str) -> None:
         page.screenshot(path=str(folder / f"{name}-{backend}.png"))
+
+    return take
+
+
+@pytest.fixture
+def keep(
+    tmp_path: Path, shot: Callable[[Any, str], None], request: pytest.FixtureRequest
+) -> Callable[[Any, str], None]:
+    """keep(page, name): a full-page screenshot in the test's tmp dir, copied to the
+    module's SHOTS folder (where the lead looks at them), and `shot`'s view of the page."""
+    folder = Path(request.module.SHOTS)
+    backend = request.node.callspec.id if hasattr(request.node, "callspec") else "any"
+
+    def take(page: Any, name: str) -> None:
+        path = tmp_path / f"{name}-{backend}.png"
+        page.screenshot(path=str(path), full_page=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, folder / path.name)
+        shot(page, name)
 
     return take
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from torchyard.store.sweeps import finish_sweep
 
 pytestmark = pytest.mark.browser
 
-SHOTS = Path("/tmp/sweep-shots")  # where the lead looks at them
+SHOTS = Path("/tmp/sweep-shots")  # where the lead looks at them (the `keep` fixture)
 METRIC = "val/accuracy"
 SPACE: dict[str, Any] = {
     "optimizer.lr": {"type": "float", "low": 0.001, "high": 0.3, "log": True},
@@ -118,23 +117,6 @@ def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
     yield from backend_world(request, tmp_path_factory, "sweeps", lambda c: _seed(World(c)))
-
-
-@pytest.fixture
-def keep(
-    tmp_path: Path, shot: Callable[[Any, str], None], request: pytest.FixtureRequest
-) -> Callable[[Any, str], None]:
-    """keep(page, name): a full-page screenshot in the test's tmp dir, copied to SHOTS."""
-    backend = request.node.callspec.id if hasattr(request.node, "callspec") else "any"
-
-    def take(page: Any, name: str) -> None:
-        path = tmp_path / f"{name}-{backend}.png"
-        page.screenshot(path=str(path), full_page=True)
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, SHOTS / path.name)
-        shot(page, name)
-
-    return take
 
 
 def _open(world: World, new_page: Callable[[], Any], path: str, token: str | None = None) -> Any:

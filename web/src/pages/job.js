@@ -1,6 +1,7 @@
 // One job: state and attempts (with their causes), pending reason, progress, one chart per
 // metric group (live while it runs), the log (followed while it runs), checkpoints with
-// their download links, Cancel, and the spec. Live through the job's own event stream.
+// their download links, Cancel, and the spec, its params as a table (params.js). Live
+// through the job's own event stream.
 // Its tags, notes, archive, delete and re-run: job_organise.js. Its System panel (the
 // workers' samples, by time): job_system.js. The log's search box:
 // job_logsearch.js. Its artifacts (a table and the images): job_artifacts.js.
@@ -8,6 +9,7 @@ import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, metricGroups } from "../chart.js";
 import { confirmCancel as confirmCancelDialog, fmtBytes, fmtDuration, fmtTime, h, link, pendingText, jobStateBadge, progressCell, replace, stateBadge, throttle, workersCell } from "../dom.js";
 import { ATTEMPT, ATTEMPT_COUNTED, JOB, JOB_TERMINAL as TERMINAL } from "../states.gen.js";
+import { paramsTable } from "../params.js";
 import { headActions, organiser } from "./job_organise.js";
 import { isSystem, systemPanel } from "./job_system.js";
 import { logSearch } from "./job_logsearch.js";
@@ -54,14 +56,14 @@ export async function jobPage(root, { params, navigate, session }) {
     return null;
   }
   const parts = {
-    head: h("section", { class: "job-head" }), info: h("section", { class: "info" }),
+    head: h("section", { class: "job-head" }), info: h("section", { class: "info" }), params: h("section", { id: "params-section" }),
     attempts: h("section", {}), charts: h("section", { class: "charts", id: "charts" }),
     checkpoints: h("section", {}), logs: h("pre", { class: "log", id: "log" }), spec: h("pre", { class: "spec", id: "spec" }),
   };
   const dialog = h("dialog", { id: "confirm-cancel" });
   const org = organiser(id, () => refreshJob());
   const system = systemPanel(id); // the workers' sys/ series, on a time axis
-  replace(root, parts.head, parts.info, org.el, parts.charts, system.el, parts.attempts, parts.checkpoints,
+  replace(root, parts.head, parts.info, parts.params, org.el, parts.charts, system.el, parts.attempts, parts.checkpoints,
     h("section", {}, h("h2", {}, "Log"), logSearch(id).el, parts.logs), h("section", {}, h("h2", {}, "Spec"), parts.spec), dialog);
 
   const artifacts = artifactsPanel(id);
@@ -76,7 +78,7 @@ export async function jobPage(root, { params, navigate, session }) {
       if (!canChange) org.el.style.display = "none"; // CSS display beats `hidden`
       root.dataset.readonly = canChange ? "" : "true";
     }
-    renderHead(); renderInfo(); renderAttempts(); org.update(job);
+    renderHead(); renderInfo(); renderParams(); renderAttempts(); org.update(job);
     parts.spec.textContent = JSON.stringify(job.spec, null, 2);
     ensureCharts(Object.keys(job.latest_metrics));
     root.dataset.state = job.state;
@@ -113,6 +115,11 @@ export async function jobPage(root, { params, navigate, session }) {
       ["workers", workersCell(job.world_size)],
     ].filter(Boolean);
     replace(parts.info, h("dl", {}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
+  }
+
+  function renderParams() {
+    const table = paramsTable(job.spec.params);
+    replace(parts.params, table ? [h("h2", {}, "Params"), table] : null);
   }
 
   function renderAttempts() {

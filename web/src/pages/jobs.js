@@ -1,8 +1,9 @@
 // The jobs table: a server-side page of at most PAGE rows (so 10,000 jobs cost what 100
 // do), filtered by state, text and tag (a click on a job's tag), reloaded whenever the jobs
-// stream says a job changed.
+// stream says a job changed. The params of the jobs shown are columns (params.js).
 import { api, query, serverNow, stream } from "../api.js";
 import { fmtAge, fmtNum, h, jobStateBadge, link, progressCell, replace, throttle, workersCell } from "../dom.js";
+import { paramCell, paramColumns, paramHead } from "../params.js";
 import { JOB_STATES as STATES } from "../states.gen.js";
 import { tagChips } from "./job_organise.js";
 
@@ -26,8 +27,11 @@ export function jobsPage(root, { search, session, navigate }) {
   const tagFilter = h("span", { id: "tag-filter" });
   const tbody = h("tbody", {});
   const status = h("span", { class: "muted small", id: "live" }, "");
-  const heads = ["", "name", admin ? "owner" : null, "state", "progress", "train/loss", "val/accuracy", "workers", "age"].filter((x) => x !== null);
-  const table = h("table", { class: "jobs", id: "jobs-table" }, h("thead", {}, h("tr", {}, heads.map((t) => h("th", {}, t)))), tbody);
+  const before = ["", "name", admin ? "owner" : null, "state", "progress", "train/loss", "val/accuracy"].filter((x) => x !== null);
+  const after = ["workers", "age"];
+  let params = []; // the param columns, between val/accuracy and workers
+  const thead = h("thead", {});
+  const table = h("table", { class: "jobs", id: "jobs-table" }, thead, tbody);
   replace(root,
     h("div", { class: "toolbar" }, chips, searchBox, tagFilter, compareBtn, status, pager),
     h("div", { class: "table-wrap" }, table));
@@ -69,10 +73,18 @@ export function jobsPage(root, { search, session, navigate }) {
       })));
   }
 
+  function renderHeads() {
+    params = paramColumns(view.rows);
+    replace(thead, h("tr", {}, before.map((t) => h("th", {}, t)),
+      params.map(paramHead),
+      after.map((t) => h("th", {}, t))));
+  }
+
   function renderRows() {
+    renderHeads();
     if (!view.rows.length) {
       const filtered = view.states.length || view.q || view.tag;
-      return replace(tbody, h("tr", { class: "empty" }, h("td", { colspan: heads.length, class: "muted", id: "no-jobs" },
+      return replace(tbody, h("tr", { class: "empty" }, h("td", { colspan: before.length + after.length, class: "muted", id: "no-jobs" },
         filtered ? "No jobs match these filters." : view.page ? "No jobs on this page." : "No jobs yet.")));
     }
     replace(tbody, view.rows.map((j) => {
@@ -91,6 +103,7 @@ export function jobsPage(root, { search, session, navigate }) {
         h("td", {}, progressCell(j.progress, j.state, j.pending_reason)),
         h("td", { class: "num" }, fmtNum(j.latest["train/loss"])),
         h("td", { class: "num" }, fmtNum(j.latest["val/accuracy"])),
+        params.map((col) => paramCell(j.params, col)),
         h("td", { class: "small" }, workersCell(j.world_size, j.workers)),
         h("td", { class: "age", dataset: { t: j.created_at } }, fmtAge((serverNow() - Date.parse(j.created_at)) / 1000)));
     }));
