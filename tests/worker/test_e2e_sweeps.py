@@ -3,12 +3,15 @@ controller, two CPU workers) on the embedded defaults and on PostgreSQL + Redis:
 prunes a trial at its first rung, where it waited for the verdict (it trains no step
 past it), and the best trial is reported; synchronous halving pauses trials at the rung
 with their workers freed and resumes the one it keeps; a sweep cancelled midway leaves no
-trial running, its trials `cancelled`, and starts no new one."""
+trial running, its trials `cancelled`, and starts no new one; a script sweep over
+`params.lr` runs each trial with its value in `job.params()`, found by `?param=` and shown in
+the dashboard's rows."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,3 +149,38 @@ def test_a_cancelled_sweep_leaves_no_trial_running_and_starts_none(
     assert sweep["state"] == "cancelled" and len(sweep["trials"]) == 2
     assert {t["status"] for t in sweep["trials"]} == {"cancelled"}
     assert sweep["best"] is None
+
+
+# A script whose objective is its `lr` param's distance from 0.1: what job.params() gave it.
+PARAMS_SCRIPT = """\
+from torchyard import job
+p = job.params()
+job.setup(total_steps=2)
+for step in (1, 2):
+    job.log(step, score=1.0 - abs(p["lr"] - 0.1), wide=float(p["arch"] == "wide"))
+"""
+
+
+def test_a_script_sweep_over_params_runs_each_trial_with_its_values(
+    cluster: Cluster, sdk: Client, tmp_path: Path
+) -> None:
+    (tmp_path / "train.py").write_text(PARAMS_SCRIPT)
+    body = {"name": "params-e2e", "spec": {"entrypoint": {"script": "train.py"},
+            "params": {"arch": "wide"}}, "space": {"params.lr": {"type": "categorical",
+            "choices": [0.1, 0.01]}}, "objective": {"metric": "score", "mode": "max"},
+            "trials": 2, "parallel": 2, "sampler": "grid", "pruner": "none"}  # fmt: skip
+    sweep = wait_sweep(sdk, sdk.create_sweep(body, code=tmp_path)["id"], timeout=60)
+    assert sweep["state"] == "succeeded", [
+        cluster.job(t["job_id"])["error"] for t in sweep["trials"]
+    ]
+    values = {t["params"]["params.lr"]: t["value"] for t in sweep["trials"]}
+    assert values == {0.1: 1.0, 0.01: pytest.approx(0.91)}
+    for t in sweep["trials"]:
+        job = cluster.job(t["job_id"])
+        assert job["spec"]["params"] == {"arch": "wide", "lr": t["params"]["params.lr"]}
+        assert job["latest_metrics"]["wide"]["value"] == 1.0
+    found = cluster.http.get("/v1/jobs", params={"param": "lr:0.1"}).json()["items"]
+    assert [j["id"] for j in found] == [sweep["best"]["job_id"]]
+    rows = cluster.http.get("/v1/ui/jobs").json()["items"]
+    shown = {r["id"]: r["params"] for r in rows if r["sweep_id"] == sweep["id"]}
+    assert sorted(p["lr"] for p in shown.values()) == [0.01, 0.1]
