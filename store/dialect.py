@@ -8,7 +8,18 @@ from typing import Any
 
 from psycopg import adapters
 from psycopg.types.array import ListBinaryDumper
-from sqlalchemy import ARRAY, ColumnElement, Dialect, String, Text, any_, bindparam, func, select
+from sqlalchemy import (
+    ARRAY,
+    ColumnElement,
+    Dialect,
+    Float,
+    String,
+    Text,
+    any_,
+    bindparam,
+    func,
+    select,
+)
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
@@ -93,7 +104,16 @@ def unnest(
     return fn.table_valued(*columns).render_derived(name=name)
 
 
-class json_member_text(FunctionElement[str]):
+class _JsonMember(FunctionElement[Any]):
+    """`column[outer][name]` read in SQL, `outer` and `name` as bound parameters."""
+
+    inherit_cache = True
+
+    def __init__(self, column: Any, outer: str, member: str) -> None:
+        super().__init__(column, bindparam(None, outer, String), bindparam(None, member, String))
+
+
+class json_member_text(_JsonMember):
     """`json_member_text(column, outer, name)`: the JSON text of `column[outer][name]` as it
     was written (`0.1`, `"adam"`, `true`; NULL when absent), for comparing stored JSON values
     with `json.dumps` of a value. `outer` and `name` travel as bound parameters. PostgreSQL's
@@ -103,9 +123,6 @@ class json_member_text(FunctionElement[str]):
     type = Text()
     inherit_cache = True
     name = "json_member_text"
-
-    def __init__(self, column: Any, outer: str, member: str) -> None:
-        super().__init__(column, bindparam(None, outer, String), bindparam(None, member, String))
 
 
 @compiles(json_member_text)
@@ -118,3 +135,31 @@ def _json_member_text(element: json_member_text, compiler: SQLCompiler, **kw: An
 def _json_member_text_pg(element: json_member_text, compiler: SQLCompiler, **kw: Any) -> str:
     column, outer, member = (compiler.process(c, **kw) for c in element.clauses)
     return f"CAST(({column} -> CAST({outer} AS TEXT)) -> CAST({member} AS TEXT) AS TEXT)"
+
+
+class json_member_number(_JsonMember):
+    """`json_member_number(column, outer, name)`: `column[outer][name]` as a float when it is
+    a JSON number, else NULL (a string, a boolean, absent): the numeric sort key of a
+    param column. `outer` and `name` travel as bound parameters, as `json_member_text`'s."""
+
+    type = Float()
+    inherit_cache = True
+    name = "json_member_number"
+
+
+@compiles(json_member_number)
+def _json_member_number(element: json_member_number, compiler: SQLCompiler, **kw: Any) -> str:
+    column, outer, member = (compiler.process(c, **kw) for c in element.clauses)
+    value = f"(({column} -> {outer}) ->> {member})"  # SQLite: the member as an SQL value
+    kind = f"json_type(({column} -> {outer}) -> {member})"  # of the member's JSON text
+    return f"(CASE WHEN {kind} IN ('integer', 'real') THEN CAST({value} AS REAL) END)"
+
+
+@compiles(json_member_number, "postgresql")
+def _json_member_number_pg(element: json_member_number, compiler: SQLCompiler, **kw: Any) -> str:
+    column, outer, member = (compiler.process(c, **kw) for c in element.clauses)
+    value = f"(({column} -> CAST({outer} AS TEXT)) -> CAST({member} AS TEXT))"
+    return (
+        f"(CASE WHEN json_typeof({value}) = 'number' "
+        f"THEN CAST(CAST({value} AS TEXT) AS DOUBLE PRECISION) END)"
+    )

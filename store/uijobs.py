@@ -1,6 +1,8 @@
 """What the dashboard's jobs table reads: a page of jobs (filtered by state and text, with
-their latest train/loss and val/accuracy and the workers running them), and the changes
-its live stream announces (which jobs changed since the last look).
+the latest values of the metric columns asked for, train/loss and val/accuracy unless
+told, and the workers running them; sorted by a metric, a param or age, and filtered by a
+metric's latest value: `TableView`), and the changes its live stream announces (which jobs
+changed since the last look).
 
 Changes are found without scanning every job: new job events (state changes, submits) by
 their id, and the versions of the jobs that are starting, running or cancelling (the only
@@ -9,13 +11,15 @@ ones whose progress and curves move), compared with the previous look.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
+from torchyard.store.dialect import json_member_number, json_member_text
 from torchyard.store.feed import FeedCursor
 from torchyard.store.jobs import Viewer, pruned_trial
 from torchyard.store.metrics import metric_names
@@ -35,7 +39,12 @@ from torchyard.store.models import (
 from torchyard.store.projects import visible_projects
 from torchyard.store.states import ACTIVE
 
-TABLE_METRICS = ("train/loss", "val/accuracy")
+TABLE_METRICS = ("train/loss", "val/accuracy")  # the metric columns unless asked for others
+NAMES_PER_JOB = 100  # a page's metric names (the columns to choose from): this many per job
+MAX_PAGE_NAMES = 200
+FILTER_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le,
+}  # fmt: skip
 # Event ids missing from what was read (on PostgreSQL a transaction can commit after one
 # that took a later id) are looked for again for this long.
 GAP_WAIT_S = 10.0
@@ -64,14 +73,65 @@ def _filters(viewer: Viewer, text: str | None, tag: str | None = None) -> list[A
     return where
 
 
+@dataclass(frozen=True)
+class TableView:
+    """What the table shows and in which order, beyond its filters: the metric columns (the
+    latest value of each name), the order (`sort`: ("created_at" | "metric" | "param",
+    name, descending); None: newest first) and metric filters ((name, op of FILTER_OPS,
+    number): a job whose latest value of `name` passes each; one without it does not).
+    Every name and number is a bound parameter."""
+
+    metrics: Sequence[str] = TABLE_METRICS
+    sort: tuple[str, str, bool] | None = None
+    filters: Sequence[tuple[str, str, float]] = ()
+
+
+def _latest(name: str) -> ColumnElement[float]:
+    """A job's latest value of metric `name` (its last step): one index probe."""
+    return (
+        select(Metric.value)
+        .where(Metric.job_id == Job.id, Metric.name == name)
+        .order_by(Metric.step.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def _view_filters(view: TableView) -> list[Any]:
+    return [FILTER_OPS[op](_latest(name), value) for name, op, value in view.filters]
+
+
+def _order(view: TableView) -> list[Any]:
+    """ORDER BY for the view: its column (nulls last), then newest first (a stable page)."""
+    newest = [Job.created_at.desc(), Job.id.desc()]
+    if view.sort is None:
+        return newest
+    kind, name, desc = view.sort
+    way: Callable[[Any], Any] = (lambda c: c.desc()) if desc else (lambda c: c.asc())
+    if kind == "created_at":
+        return [way(Job.created_at), way(Job.id)]
+    if kind == "metric":
+        value = _latest(name)
+        return [value.is_(None), way(value), *newest]
+    # A param: numbers first by value, then the others by their JSON text.
+    number = json_member_number(Job.spec, "params", name)
+    text = json_member_text(Job.spec, "params", name)
+    return [text.is_(None), number.is_(None), way(number), way(text), *newest]
+
+
 def state_counts(
-    session: Session, viewer: Viewer, text: str | None, tag: str | None = None
+    session: Session,
+    viewer: Viewer,
+    text: str | None,
+    tag: str | None = None,
+    view: TableView | None = None,
 ) -> dict[str, int]:
-    """Jobs by state among those the text (and tag) filter keeps (the table's state chips)."""
+    """Jobs by state among those the text (and tag) filter keeps (the table's state chips),
+    and the view's metric filters."""
     rows = session.execute(
         select(Job.state, func.count())
         .join(User, User.id == Job.owner_id)
-        .where(*_filters(viewer, text, tag))
+        .where(*_filters(viewer, text, tag), *_view_filters(view or TableView()))
         .group_by(Job.state)
     )
     return {state: int(n) for state, n in rows}
@@ -86,11 +146,14 @@ def table_page(
     tag: str | None = None,
     offset: int = 0,
     limit: int = 100,
+    view: TableView | None = None,
 ) -> list[dict[str, Any]]:
-    """A page of the table, newest first: each job's columns, its spec's `params` (None when
-    it has none), `owner`, `project`, `latest` (the newest value of each TABLE_METRICS name,
-    when recorded) and `workers` (the ids of the workers of its running attempt, by rank)."""
-    where = _filters(viewer, text, tag)
+    """A page of the table in the view's order (newest first unless told): each job's
+    columns, its spec's `params` (None when it has none), `owner`, `project`, `latest` (the
+    newest value of each of the view's metric names, when recorded) and `workers` (the ids
+    of the workers of its running attempt, by rank)."""
+    view = view or TableView()
+    where = [*_filters(viewer, text, tag), *_view_filters(view)]
     if states:
         where.append(Job.state.in_(list(states)))
     cols = (Job.id, Job.name, Job.state, Job.progress, Job.world_size, Job.attempt,
@@ -103,35 +166,40 @@ def table_page(
         .join(User, User.id == Job.owner_id)
         .outerjoin(Project, Project.id == Job.project_id)
         .where(*where)
-        .order_by(Job.created_at.desc(), Job.id.desc())
+        .order_by(*_order(view))
         .offset(offset)
         .limit(limit)
     ).mappings()
     page = [dict(r) for r in rows]
     ids = [r["id"] for r in page]
-    latest, workers = _latest_values(session, ids), _running_workers(session, ids)
+    latest = _latest_values(session, ids, view.metrics)
+    workers = _running_workers(session, ids)
     for r in page:
         r["latest"] = latest.get(r["id"], {})
         r["workers"] = workers.get(r["id"], [])
     return page
 
 
-def _latest_values(session: Session, ids: list[str]) -> dict[str, dict[str, float]]:
-    """The newest value of each TABLE_METRICS name: one index probe each."""
-    if not ids:
+def _latest_values(
+    session: Session, ids: list[str], names: Sequence[str]
+) -> dict[str, dict[str, float]]:
+    """The newest value of each of `names`: one index probe each."""
+    if not ids or not names:
         return {}
-    probes = [
-        select(Metric.value)
-        .where(Metric.job_id == Job.id, Metric.name == name)
-        .order_by(Metric.step.desc())
-        .limit(1)
-        .scalar_subquery()
-        for name in TABLE_METRICS
-    ]
+    probes = [_latest(name) for name in names]
     out: dict[str, dict[str, float]] = {}
     for job_id, *values in session.execute(select(Job.id, *probes).where(Job.id.in_(ids))):
-        out[job_id] = {n: v for n, v in zip(TABLE_METRICS, values, strict=True) if v is not None}
+        out[job_id] = {n: v for n, v in zip(names, values, strict=True) if v is not None}
     return out
+
+
+def page_metric_names(session: Session, ids: Sequence[str]) -> list[str]:
+    """The metric names the jobs `ids` have (the metric columns one may choose), sorted: at
+    most NAMES_PER_JOB of each job (an index skip each), MAX_PAGE_NAMES in all."""
+    names: set[str] = set()
+    for job_id in ids:
+        names.update(metric_names(session, job_id, limit=NAMES_PER_JOB))
+    return sorted(names)[:MAX_PAGE_NAMES]
 
 
 def _running_workers(session: Session, ids: list[str]) -> dict[str, list[str]]:

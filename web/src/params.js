@@ -11,8 +11,18 @@ export function paramColumns(rows, max = MAX_PARAM_COLUMNS) {
   const counts = new Map();
   for (const r of rows) for (const name of Object.keys(r.params || {})) counts.set(name, (counts.get(name) || 0) + 1);
   const names = [...counts.keys()].sort((a, b) => counts.get(b) - counts.get(a)).slice(0, max);
+  return chosenParamColumns(rows, names);
+}
+
+// Columns for the params `names` (the jobs table's columns chooser), as `paramColumns`'.
+export function chosenParamColumns(rows, names) {
   const isNumber = (r, n) => !r.params || r.params[n] == null || typeof r.params[n] === "number";
   return names.map((name) => ({ name, numeric: rows.every((r) => isNumber(r, name)) }));
+}
+
+// Every param name the rows have, the most common first.
+export function paramNames(rows) {
+  return paramColumns(rows, Infinity).map((c) => c.name);
 }
 
 export function paramHead(col) {

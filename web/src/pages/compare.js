@@ -1,13 +1,14 @@
-// Several runs, one metric overlaid: jobs picked in the table (?jobs=a,b,c) or every trial
-// of a sweep (?sweep=ID). Each is named by its name and the parameters in which the runs
+// Several runs, several metrics overlaid (one chart per metric, ?metrics=a,b; ?metric=a
+// too): jobs picked in the table (?jobs=a,b,c) or every trial of a sweep (?sweep=ID). Each is named by its name and the parameters in which the runs
 // differ. Live while any run is: the jobs stream names the runs that changed, and the
-// page re-reads those rows and the chart (at most every 2 s).
+// page re-reads those rows and the charts (at most every 2 s).
 import { api, jobPath, query, stream } from "../api.js";
 import { MetricChart, color, dash, swatch } from "../chart.js";
 import { fmtNum, h, link, replace, stateBadge, throttle } from "../dom.js";
 import { JOB_TERMINAL as TERMINAL } from "../states.gen.js";
 
 const MAX_IDS = 100; // a changes event names at most this many jobs (api/ui_feed.py)
+const MAX_METRICS = 8; // charts on one page
 
 function flatten(obj, prefix = "", out = {}) {
   for (const [k, v] of Object.entries(obj || {})) {
@@ -89,41 +90,47 @@ export async function comparePage(root, { search, navigate }) {
     r.title = diffs[i].full.length ? `${r.name} · ${diffs[i].full.join(", ")}` : r.name;
   });
   const names = [...new Set(runs.flatMap((r) => Object.keys(r.job.latest_metrics)))].sort();
-  const wanted = search.get("metric");
-  const metric = names.includes(wanted) ? wanted : ["val/accuracy", "val/loss", "train/loss"].find((n) => names.includes(n)) || names[0];
-  const select = h("select", { id: "metric", onchange: () => {
-    const q = sweep ? { sweep, metric: select.value } : { jobs: runs.map((r) => r.id).join(","), metric: select.value };
-    navigate("/compare" + query(q));
-  } }, names.map((n) => h("option", { value: n, selected: n === metric }, n)));
-  const chartEl = h("div", { class: "chart", id: "compare-chart" });
+  const wanted = (search.get("metrics") || search.get("metric") || "").split(",").filter((n) => names.includes(n));
+  const fallback = ["val/accuracy", "val/loss", "train/loss"].find((n) => names.includes(n)) || names[0];
+  const metrics = [...new Set(wanted)].slice(0, MAX_METRICS);
+  if (!metrics.length && fallback) metrics.push(fallback);
+  const choose = (chosen) => {
+    const m = names.filter((n) => chosen.includes(n)).join(",");
+    navigate("/compare" + query(sweep ? { sweep, metrics: m } : { jobs: runs.map((r) => r.id).join(","), metrics: m }));
+  };
+  const picker = h("div", { id: "metrics", class: "compare-metrics" }, names.map((n) => h("label", { class: "col-choice" },
+    h("input", { type: "checkbox", checked: metrics.includes(n), disabled: metrics.includes(n) ? metrics.length === 1 : metrics.length >= MAX_METRICS, dataset: { metric: n },
+      onchange: (e) => choose(e.target.checked ? [...metrics, n] : metrics.filter((x) => x !== n)) }), " ", n)));
+  const chartEls = metrics.map((m, i) => h("div", { class: "chart compare-chart", id: i === 0 ? "compare-chart" : null, dataset: { metric: m } }));
   const row = (r, i) => {
     // The run's last point (its final value), never the curve's best: for a sweep's
     // complete trials it is their `value`, so the largest here is the sweep's best.
-    const last = r.job.latest_metrics[metric];
+    const last = (m) => r.job.latest_metrics[m];
     return h("tr", { dataset: { id: r.id } }, h("td", {}, swatch(color(i), dash(i))), h("td", {}, link(`/jobs/${r.id}`, r.name)), h("td", {}, stateBadge(r.job.state)),
       h("td", { class: "small mono differs", title: diffs[i].full.join(", ") || null }, diffs[i].short.join(", ") || "–"),
-      h("td", { class: "num" }, fmtNum(last && last.value)));
+      metrics.map((m) => h("td", { class: "num", dataset: { metric: m } }, fmtNum(last(m) && last(m).value))));
   };
   const tbody = h("tbody", {}, runs.map(row));
   replace(root,
-    h("div", { class: "toolbar" }, h("h2", {}, s ? ["Sweep ", link(`/sweeps/${s.id}`, s.name)] : `${runs.length} runs`), h("label", {}, "metric ", select)),
+    h("div", { class: "toolbar" }, h("h2", {}, s ? ["Sweep ", link(`/sweeps/${s.id}`, s.name)] : `${runs.length} runs`), h("span", { class: "small" }, "metrics "), picker),
     missing.length ? h("p", { class: "error" }, `Not found: ${missing.join(", ")}`) : null,
-    chartEl,
+    metrics.length ? h("div", { class: "charts" }, chartEls) : h("p", { class: "muted", id: "compare-chart" }, "These runs have no metrics yet."),
     h("table", { id: "runs" },
-      h("thead", {}, h("tr", {}, ["", "run", "state", "differs in", metric || ""].map((t) => h("th", {}, t)))),
+      h("thead", {}, h("tr", {}, ["", "run", "state", "differs in", ...metrics].map((t) => h("th", {}, t)))),
       tbody));
-  if (!metric) { replace(chartEl, h("p", { class: "muted" }, "These runs have no metrics yet.")); return null; }
-  const chart = new MetricChart(chartEl, { title: metric, sources: runs.map((r, i) => ({ job: r.id, name: metric, label: r.label, title: r.title, color: color(i), dash: dash(i) })) });
-  await chart.load();
+  if (!metrics.length) return null;
+  const charts = metrics.map((m, k) => new MetricChart(chartEls[k], { title: m, sources: runs.map((r, i) => ({ job: r.id, name: m, label: r.label, title: r.title, color: color(i), dash: dash(i) })) }));
+  const loadAll = () => Promise.all(charts.map((c) => c.load()));
+  await loadAll();
   const stop = followRuns(runs, async (ids) => {
     await Promise.all(ids.map(async (id) => {
       const i = runs.findIndex((r) => r.id === id);
       runs[i].job = await api(jobPath(id));
       tbody.children[i].replaceWith(row(runs[i], i));
     }));
-    await chart.load();
+    await loadAll();
   });
-  return () => { stop(); chart.destroy(); };
+  return () => { stop(); for (const c of charts) c.destroy(); };
 }
 
 // Calls `refresh(ids)` (at most every 2 s) with the runs that changed, until none is live.

@@ -1,9 +1,12 @@
 // The jobs table: a server-side page of at most PAGE rows (so 10,000 jobs cost what 100
 // do), filtered by state, text and tag (a click on a job's tag), reloaded whenever the jobs
-// stream says a job changed. The params of the jobs shown are columns (params.js).
+// stream says a job changed. The params of the jobs shown are columns (params.js); which
+// metric and param columns show, the order (a click on a column's head) and metric filters
+// are chosen (runcols.js) and kept in the URL.
 import { api, query, serverNow, stream } from "../api.js";
 import { fmtAge, fmtNum, h, jobStateBadge, link, progressCell, replace, throttle, workersCell } from "../dom.js";
-import { paramCell, paramColumns, paramHead } from "../params.js";
+import { chosenParamColumns, paramCell, paramColumns, paramNames } from "../params.js";
+import { columnsPanel, columnsQuery, columnsUrl, filterBar, metricColumns, readColumns, sortHead } from "../runcols.js";
 import { JOB_STATES as STATES } from "../states.gen.js";
 import { tagChips } from "./job_organise.js";
 
@@ -17,23 +20,32 @@ export function jobsPage(root, { search, session, navigate }) {
     page: Math.max(0, parseInt(search.get("page") || "0", 10) || 0),
     selected: new Set(),
     rows: [],
+    metricNames: [], // the metric names the page's jobs have (the chooser's)
   };
+  const cols = readColumns(search); // metrics, params, sort, filters
   const admin = session.is_admin;
   const chips = h("div", { class: "chips" });
   const hint = "filter by name or id" + (admin ? " or owner" : "");
   const searchBox = h("input", { type: "search", id: "job-filter", placeholder: hint, size: hint.length + 2, value: view.q }); // wide enough for its hint
-  const compareBtn = h("button", { id: "compare", disabled: true, onclick: () => navigate(`/compare?jobs=${[...view.selected].join(",")}`) }, "Compare");
+  const compareBtn = h("button", { id: "compare", disabled: true, onclick: () => navigate("/compare" + query({ jobs: [...view.selected].join(","), metrics: cols.metrics && cols.metrics.join(",") })) }, "Compare");
+  const colsPanel = h("div", { id: "columns-panel", class: "columns-panel", hidden: true });
+  const colsBtn = h("button", { id: "columns", "aria-expanded": "false", onclick: () => {
+    colsPanel.hidden = !colsPanel.hidden;
+    colsBtn.setAttribute("aria-expanded", String(!colsPanel.hidden));
+  } }, "Columns");
+  const filters = h("span", { id: "metric-filters", class: "chips" });
   const pager = h("span", { class: "pager" });
   const tagFilter = h("span", { id: "tag-filter" });
   const tbody = h("tbody", {});
   const status = h("span", { class: "muted small", id: "live" }, "");
-  const before = ["", "name", admin ? "owner" : null, "state", "progress", "train/loss", "val/accuracy"].filter((x) => x !== null);
-  const after = ["workers", "age"];
-  let params = []; // the param columns, between val/accuracy and workers
+  const before = ["", "name", admin ? "owner" : null, "state", "progress"].filter((x) => x !== null);
+  let params = []; // the param columns, after the metric columns
   const thead = h("thead", {});
   const table = h("table", { class: "jobs", id: "jobs-table" }, thead, tbody);
   replace(root,
-    h("div", { class: "toolbar" }, chips, searchBox, tagFilter, compareBtn, status, pager),
+    h("div", { class: "toolbar" }, chips, searchBox, tagFilter, compareBtn, colsBtn, status, pager),
+    h("div", { class: "toolbar" }, filters),
+    colsPanel,
     h("div", { class: "table-wrap" }, table));
 
   let loading = false, dirty = false;
@@ -41,11 +53,13 @@ export function jobsPage(root, { search, session, navigate }) {
     if (loading) { dirty = true; return; }
     loading = true;
     try {
-      const body = await api("/v1/ui/jobs" + query({ state: view.states.join(","), q: view.q, tag: view.tag, offset: view.page * PAGE, limit: PAGE }));
+      const body = await api("/v1/ui/jobs" + query({ state: view.states.join(","), q: view.q, tag: view.tag, offset: view.page * PAGE, limit: PAGE, ...columnsQuery(cols) }));
       view.rows = body.items;
+      view.metricNames = body.metric_names || [];
       renderChips(body.counts);
       renderTagFilter();
       renderRows();
+      renderColumns();
       renderPager(body.total);
       root.dataset.loaded = String((parseInt(root.dataset.loaded || "0", 10) || 0) + 1);
     } catch (e) {
@@ -58,7 +72,7 @@ export function jobsPage(root, { search, session, navigate }) {
   const reload = throttle(load, 500);
 
   function keepUrl() {
-    const q = query({ state: view.states.join(","), q: view.q, tag: view.tag, page: view.page || null });
+    const q = query({ state: view.states.join(","), q: view.q, tag: view.tag, page: view.page || null, ...columnsUrl(cols) });
     history.replaceState(null, "", "/" + q);
   }
 
@@ -74,17 +88,31 @@ export function jobsPage(root, { search, session, navigate }) {
   }
 
   function renderHeads() {
-    params = paramColumns(view.rows);
+    params = cols.params ? chosenParamColumns(view.rows, cols.params) : paramColumns(view.rows);
+    const onSort = (sort) => { cols.sort = sort; view.page = 0; keepUrl(); load(); };
     replace(thead, h("tr", {}, before.map((t) => h("th", {}, t)),
-      params.map(paramHead),
-      after.map((t) => h("th", {}, t))));
+      metricColumns(cols).map((m) => sortHead(m, `metric:${m}`, cols, onSort, { class: "metric num", dataset: { metric: m } })),
+      params.map((c) => sortHead(c.name, `param:${c.name}`, cols, onSort, { class: c.numeric ? "param num" : "param", title: `params.${c.name}`, dataset: { param: c.name } })),
+      h("th", {}, "workers"),
+      sortHead("age", "created_at", cols, onSort)));
+  }
+
+  // A change of columns or filters: kept in the URL, the page read again.
+  function setColumns(change) {
+    Object.assign(cols, change);
+    view.page = 0; keepUrl(); load();
+  }
+
+  function renderColumns() {
+    columnsPanel(colsPanel, { cols, metricNames: view.metricNames, paramNames: paramNames(view.rows), shownParams: params.map((c) => c.name), onChange: setColumns });
+    filterBar(filters, { cols, onChange: (f) => setColumns({ filters: f }) });
   }
 
   function renderRows() {
     renderHeads();
     if (!view.rows.length) {
-      const filtered = view.states.length || view.q || view.tag;
-      return replace(tbody, h("tr", { class: "empty" }, h("td", { colspan: before.length + after.length, class: "muted", id: "no-jobs" },
+      const filtered = view.states.length || view.q || view.tag || cols.filters.length;
+      return replace(tbody, h("tr", { class: "empty" }, h("td", { colspan: before.length + metricColumns(cols).length + 2, class: "muted", id: "no-jobs" },
         filtered ? "No jobs match these filters." : view.page ? "No jobs on this page." : "No jobs yet.")));
     }
     replace(tbody, view.rows.map((j) => {
@@ -101,8 +129,7 @@ export function jobsPage(root, { search, session, navigate }) {
         admin ? h("td", {}, j.owner) : null,
         h("td", {}, jobStateBadge(j), j.attempt > 1 ? h("span", { class: "muted small" }, ` #${j.attempt}`) : null),
         h("td", {}, progressCell(j.progress, j.state, j.pending_reason)),
-        h("td", { class: "num" }, fmtNum(j.latest["train/loss"])),
-        h("td", { class: "num" }, fmtNum(j.latest["val/accuracy"])),
+        metricColumns(cols).map((m) => h("td", { class: "metric num", dataset: { metric: m } }, fmtNum(j.latest[m]))),
         params.map((col) => paramCell(j.params, col)),
         h("td", { class: "small" }, workersCell(j.world_size, j.workers)),
         h("td", { class: "age", dataset: { t: j.created_at } }, fmtAge((serverNow() - Date.parse(j.created_at)) / 1000)));
