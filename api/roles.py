@@ -1,14 +1,15 @@
 """The role checks of the routes that change a project's jobs and sweeps: what a viewer may
 read, a member may also do, and an owner may also manage (store/projects.py). A job the
-caller cannot see at all is a 404 before any of these is asked."""
+caller cannot see at all is a 404 before any of these is asked; so is a project a list is
+narrowed to (`project_filter`)."""
 
 from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
 from torchyard.api.deps import Principal
-from torchyard.api.errors import ApiError
-from torchyard.store.projects import at_least, effective_role
+from torchyard.api.errors import ApiError, not_found
+from torchyard.store.projects import at_least, effective_role, project_named
 
 
 def require_role(
@@ -26,3 +27,15 @@ def require_role(
         )
     assert role is not None
     return role
+
+
+def project_filter(session: Session, user: Principal, name: str | None) -> int | None:
+    """The id of the project a list is narrowed to (`?project=`: GET /v1/jobs, the
+    dashboard's table), or 404 when the caller has no role in it (the same answer whether
+    it exists or not); None: no filter."""
+    if name is None:
+        return None
+    project = project_named(session, name)
+    if project is None or effective_role(session, user.id, user.is_admin, project.id) is None:
+        raise not_found("project")
+    return project.id

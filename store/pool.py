@@ -1,7 +1,8 @@
 """What fair share, quotas and preemption read and write in a scheduling pass: each
-user's and each project's limits and the workers their jobs hold, the running gangs a
-waiting job could preempt (with their owners' max_priority), the preemptions in flight,
-and the write that asks a gang to stop.
+user's and each project's limits and the workers their jobs hold (with, for the projects
+routes, each project's running and queued jobs), the running gangs a waiting job could
+preempt (with their owners' max_priority), the preemptions in flight, and the write that
+asks a gang to stop.
 
 Preemption is an intent in the store, like a cancel: the scheduler sets
 `attempts.preempted_by` on the victim's running attempt (conditionally: still running,
@@ -21,7 +22,7 @@ from sqlalchemy.orm import Session
 from torchyard.store.jobs import bump_version
 from torchyard.store.models import Attempt, Job, JobEvent, Project, User, Worker, utcnow
 from torchyard.store.quotas import DEFAULT_MAX_PRIORITY
-from torchyard.store.states import A_RUNNING, ATTEMPT_ACTIVE, RUNNING
+from torchyard.store.states import A_RUNNING, ACTIVE, ATTEMPT_ACTIVE, QUEUED, RUNNING
 from torchyard.store.workers import BUSY
 
 
@@ -104,6 +105,39 @@ def held_by_project(session: Session, project_ids: set[int]) -> dict[int, int]:
         .group_by(Job.project_id)
     )
     return {int(pid): int(n) for pid, n in rows if pid is not None}
+
+
+class ProjectLoad(NamedTuple):
+    """What a project's jobs hold and wait for now (the projects pages' usage)."""
+
+    running: int  # jobs starting, running or cancelling
+    queued: int
+    workers: int  # workers busy with its jobs, whoever submitted them
+
+
+def project_loads(session: Session, project_ids: set[int]) -> dict[int, ProjectLoad]:
+    """Each of these projects' active and queued jobs and the workers they hold: one
+    grouped count on the jobs' project and state, and `held_by_project`."""
+    if not project_ids:
+        return {}
+    counts: dict[int, dict[str, int]] = {pid: {} for pid in project_ids}
+    rows = session.execute(
+        select(Job.project_id, Job.state, func.count())
+        .where(Job.project_id.in_(project_ids), Job.state.in_([QUEUED, *ACTIVE]))
+        .group_by(Job.project_id, Job.state)
+    )
+    for pid, state, n in rows:
+        if pid is not None:  # in_() keeps none; the column is nullable
+            counts[pid][state] = int(n)
+    held = held_by_project(session, project_ids)
+    return {
+        pid: ProjectLoad(
+            running=sum(n for s, n in by.items() if s in ACTIVE),
+            queued=by.get(QUEUED, 0),
+            workers=held.get(pid, 0),
+        )
+        for pid, by in counts.items()
+    }
 
 
 def lowest_preemptible_priority(session: Session) -> int | None:

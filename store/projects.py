@@ -172,6 +172,10 @@ class ProjectInfo:
     role: str | None  # the caller's; None for an admin who is no member
     members: int
     created_at: datetime
+    id: int
+    max_workers: int | None  # its quota (store/quotas.py)
+    max_queued: int | None
+    share: float
 
 
 def list_projects(session: Session, user_id: int, is_admin: bool) -> list[ProjectInfo]:
@@ -195,7 +199,17 @@ def list_projects(session: Session, user_id: int, is_admin: bool) -> list[Projec
     if not is_admin:
         q = q.where(mine.c.role.is_not(None))
     return [
-        ProjectInfo(p.name, p.personal_of is not None, role, n, p.created_at)
+        ProjectInfo(
+            p.name,
+            p.personal_of is not None,
+            role,
+            n,
+            p.created_at,
+            p.id,
+            p.max_workers,
+            p.max_queued,
+            float(p.share),
+        )
         for p, role, n in session.execute(q)
     ]
 

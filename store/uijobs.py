@@ -55,8 +55,12 @@ def _escape_like(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def _filters(viewer: Viewer, text: str | None, tag: str | None = None) -> list[Any]:
+def _filters(
+    viewer: Viewer, text: str | None, tag: str | None = None, project_id: int | None = None
+) -> list[Any]:
     where: list[Any] = [Job.archived_at.is_(None)]  # archived jobs: GET /v1/jobs?archived=
+    if project_id is not None:  # ix_jobs_project_created
+        where.append(Job.project_id == project_id)
     if tag is not None:  # ix_job_tags_tag
         where.append(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == tag)))
     if not viewer.is_admin:
@@ -125,13 +129,14 @@ def state_counts(
     text: str | None,
     tag: str | None = None,
     view: TableView | None = None,
+    project_id: int | None = None,
 ) -> dict[str, int]:
     """Jobs by state among those the text (and tag) filter keeps (the table's state chips),
     and the view's metric filters."""
     rows = session.execute(
         select(Job.state, func.count())
         .join(User, User.id == Job.owner_id)
-        .where(*_filters(viewer, text, tag), *_view_filters(view or TableView()))
+        .where(*_filters(viewer, text, tag, project_id), *_view_filters(view or TableView()))
         .group_by(Job.state)
     )
     return {state: int(n) for state, n in rows}
@@ -147,13 +152,14 @@ def table_page(
     offset: int = 0,
     limit: int = 100,
     view: TableView | None = None,
+    project_id: int | None = None,
 ) -> list[dict[str, Any]]:
     """A page of the table in the view's order (newest first unless told): each job's
     columns, its spec's `params` (None when it has none), `owner`, `project`, `latest` (the
     newest value of each of the view's metric names, when recorded) and `workers` (the ids
     of the workers of its running attempt, by rank)."""
     view = view or TableView()
-    where = [*_filters(viewer, text, tag), *_view_filters(view)]
+    where = [*_filters(viewer, text, tag, project_id), *_view_filters(view)]
     if states:
         where.append(Job.state.in_(list(states)))
     cols = (Job.id, Job.name, Job.state, Job.progress, Job.world_size, Job.attempt,

@@ -22,7 +22,7 @@ from torchyard.api.deps import (
 from torchyard.api.errors import not_found, responses, validation_error
 from torchyard.api.jsonlimits import decode_body
 from torchyard.api.lanes import run_checks
-from torchyard.api.roles import require_role
+from torchyard.api.roles import project_filter, require_role
 from torchyard.api.schemas import JobList, JobOut, SpecWarning, SubmittedJob
 from torchyard.api.views import etag, etag_matches, job_out, job_summary
 from torchyard.broker import app as broker
@@ -44,7 +44,6 @@ from torchyard.store.jobs import (
     request_cancel,
 )
 from torchyard.store.models import Job
-from torchyard.store.projects import effective_role, project_named
 from torchyard.store.states import STATES
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -216,7 +215,7 @@ def list_jobs_route(
         raise validation_error([("state", f"unknown state(s) {bad}; one of {list(STATES)}")])
     only = JobFilter(
         states=states,
-        project_id=_project_filter(session, user, project),
+        project_id=project_filter(session, user, project),
         tag=tag,
         archived=None if archived == "any" else archived == "true",
         params=_param_filters(param or []),
@@ -245,17 +244,6 @@ def _param_filters(given: list[str]) -> list[tuple[str, list[str]]]:
             raise validation_error([("param", f"a value is at most {MAX_PARAM_STR} characters")])
         out.append((name, param_texts(value)))
     return out
-
-
-def _project_filter(session: Session, user: Principal, name: str | None) -> int | None:
-    """The id of the project named in ?project=, or 404 when the caller has no role in it
-    (the same answer whether it exists or not)."""
-    if name is None:
-        return None
-    project = project_named(session, name)
-    if project is None or effective_role(session, user.id, user.is_admin, project.id) is None:
-        raise not_found("project")
-    return project.id
 
 
 CONDITIONAL = {

@@ -25,18 +25,24 @@ from torchyard.api.project_schemas import (
     MemberIn,
     MemberOut,
     ProjectIn,
+    ProjectLimits,
     ProjectList,
     ProjectOut,
     ProjectSummary,
+    ProjectUsage,
 )
 from torchyard.api.roles import require_role
 from torchyard.api.schemas import ProjectQuotaIn, ProjectQuotaOut
 from torchyard.broker import app as broker
+from torchyard.settings import Settings
 from torchyard.store import projects as proj
 from torchyard.store.audit import changed, record
 from torchyard.store.auth import user_named
+from torchyard.store.dialect import db_now
 from torchyard.store.models import Project
+from torchyard.store.pool import project_loads
 from torchyard.store.quotas import project_quota_of, set_project_quota
+from torchyard.store.usage import usage_by_project
 
 router = APIRouter(prefix="/v1/projects", tags=["projects"])
 
@@ -56,7 +62,17 @@ def _visible(session: Session, user: Principal, name: str) -> tuple[Project, str
     return project, role
 
 
-def _out(session: Session, project: Project, role: str | None) -> ProjectOut:
+def _usage(session: Session, settings: Settings, ids: set[int]) -> dict[int, ProjectUsage]:
+    """Each project's running and queued jobs, the workers they hold and its decayed usage."""
+    loads = project_loads(session, ids)
+    hours = usage_by_project(session, db_now(session), settings.fairshare_half_life_s, ids)
+    return {
+        pid: ProjectUsage(**loads[pid]._asdict(), worker_hours=hours.get(pid, 0.0) / 3600)
+        for pid in ids
+    }
+
+
+def _out(session: Session, settings: Settings, project: Project, role: str | None) -> ProjectOut:
     members = [MemberOut(user=u, role=r) for u, r in proj.members_of(session, project.id)]  # type: ignore[arg-type]
     return ProjectOut(
         name=project.name,
@@ -64,6 +80,8 @@ def _out(session: Session, project: Project, role: str | None) -> ProjectOut:
         role=role,  # type: ignore[arg-type]
         members=members,
         created_at=project.created_at,
+        quota=ProjectLimits(**project_quota_of(project)),
+        usage=_usage(session, settings, {project.id})[project.id],
     )
 
 
@@ -81,7 +99,11 @@ def _refused(e: proj.ProjectError) -> ApiError:
     responses=responses(401, 409, 422, 503),
 )
 def create_project_route(
-    body: ProjectIn, request: Request, user: CurrentUser, session: SessionDep
+    body: ProjectIn,
+    request: Request,
+    user: CurrentUser,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> ProjectOut:
     try:
         project = proj.create_project(session, body.name, user.id)
@@ -90,20 +112,38 @@ def create_project_route(
     record(session, actor_of(request, user), "project.create", f"project:{project.name}",
            project_id=project.id)  # fmt: skip
     session.commit()
-    return _out(session, project, "owner")
+    return _out(session, settings, project, "owner")
 
 
 @router.get(
     "",
     response_model=ProjectList,
     summary="List projects",
-    description="The projects the caller has a role in, by name (admins: every project).",
+    description="The projects the caller has a role in, by name (admins: every project), "
+    "each with its quota and usage: its running and queued jobs, the workers they hold, its "
+    "recent worker-hours.",
     responses=responses(401, 503),
 )
-def list_projects_route(user: CurrentUser, session: ReadSessionDep) -> ProjectList:
+def list_projects_route(
+    user: CurrentUser, session: ReadSessionDep, settings: SettingsDep
+) -> ProjectList:
     items = proj.list_projects(session, user.id, user.is_admin)
+    usage = _usage(session, settings, {i.id for i in items})
     return ProjectList(
-        items=[ProjectSummary.model_validate(i, from_attributes=True) for i in items]
+        items=[
+            ProjectSummary(
+                name=i.name,
+                personal=i.personal,
+                role=i.role,  # type: ignore[arg-type]
+                members=i.members,
+                created_at=i.created_at,
+                quota=ProjectLimits(
+                    max_workers=i.max_workers, max_queued=i.max_queued, share=i.share
+                ),
+                usage=usage[i.id],
+            )
+            for i in items
+        ]
     )
 
 
@@ -111,12 +151,14 @@ def list_projects_route(user: CurrentUser, session: ReadSessionDep) -> ProjectLi
     "/{name}",
     response_model=ProjectOut,
     summary="Show a project",
-    description="Its members and their roles; any member may read it.",
+    description="Its members and their roles, its quota and usage; any member may read it.",
     responses=responses(401, 404, 503),
 )
-def get_project_route(name: ProjectName, user: CurrentUser, session: ReadSessionDep) -> ProjectOut:
+def get_project_route(
+    name: ProjectName, user: CurrentUser, session: ReadSessionDep, settings: SettingsDep
+) -> ProjectOut:
     project, role = _visible(session, user, name)
-    return _out(session, project, role)
+    return _out(session, settings, project, role)
 
 
 @router.put(
@@ -134,6 +176,7 @@ def put_member_route(
     request: Request,
     user: CurrentUser,
     session: SessionDep,
+    settings: SettingsDep,
 ) -> ProjectOut:
     project, _ = _visible(session, user, name)
     require_role(session, user, project.id, "owner", "manage members")
@@ -149,7 +192,7 @@ def put_member_route(
         record(session, actor_of(request, user), "project.member.set", f"project:{name}",
                details, project_id=project.id)  # fmt: skip
     session.commit()
-    return _out(session, project, proj.role_of(session, user.id, project.id))
+    return _out(session, settings, project, proj.role_of(session, user.id, project.id))
 
 
 @router.delete(
@@ -162,7 +205,12 @@ def put_member_route(
     responses=responses(401, 403, 404, 409, 503),
 )
 def delete_member_route(
-    name: ProjectName, member: UserName, request: Request, user: CurrentUser, session: SessionDep
+    name: ProjectName,
+    member: UserName,
+    request: Request,
+    user: CurrentUser,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> ProjectOut:
     project, _ = _visible(session, user, name)
     if member != user.name:
@@ -182,7 +230,7 @@ def delete_member_route(
     if mine is None and not user.is_admin:  # they left: the project is no longer theirs
         return ProjectOut(name=project.name, personal=project.personal_of is not None,
                           role=None, members=[], created_at=project.created_at)  # fmt: skip
-    return _out(session, project, mine)
+    return _out(session, settings, project, mine)
 
 
 @router.get(

@@ -51,7 +51,7 @@ from torchyard.store.uisessions import (
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 # The page's own paths (the page routes them itself); everything else stays the API's.
 PAGES = ("/", "/login", "/workers", "/submit", "/compare", "/jobs/{job_id}", "/sweeps",
-         "/sweeps/{sweep_id}")  # fmt: skip
+         "/sweeps/{sweep_id}", "/projects", "/projects/{name}")  # fmt: skip
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; font-src 'self'; manifest-src 'self'; base-uri 'none'; "

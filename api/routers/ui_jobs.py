@@ -17,6 +17,7 @@ from sse_starlette import EventSourceResponse
 
 from torchyard.api.deps import CurrentUser, ReadSessionDep
 from torchyard.api.errors import not_found, responses, validation_error
+from torchyard.api.roles import project_filter
 from torchyard.api.schemas import Progress
 from torchyard.api.streams import guarded_stream
 from torchyard.api.ui_feed import JobChanges
@@ -108,8 +109,9 @@ def _row(r: dict[str, Any]) -> TableRow:
     description="Newest first unless `sort` says; admins see every user's jobs. `q` matches "
     "the name, the start of the id, and for admins the owner; `tag` keeps the jobs with that "
     "tag; `metric` names the metric columns (their latest values in `latest`); `filter` keeps "
-    "the jobs whose latest value of a metric passes.",
-    responses=responses(401, 422, 503),
+    "the jobs whose latest value of a metric passes."
+    " `project` keeps one project's jobs (404 unless the caller has a role in it).",
+    responses=responses(401, 404, 422, 503),
 )
 def jobs_table(
     user: CurrentUser,
@@ -117,6 +119,7 @@ def jobs_table(
     state: Annotated[list[str] | None, Query()] = None,
     q: Annotated[str | None, Query(max_length=200)] = None,
     tag: Annotated[str | None, Query(max_length=64)] = None,
+    project: Annotated[str | None, Query(max_length=101)] = None,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
     metric: Annotated[list[str] | None, Query(description=METRIC_HELP)] = None,
@@ -131,12 +134,13 @@ def jobs_table(
         raise validation_error([("state", f"unknown state(s) {bad}; one of {list(STATES)}")])
     text = (q or "").strip() or None
     tag = (tag or "").strip() or None
+    project_id = project_filter(session, user, project)  # 404 as GET /v1/jobs?project=
     view = table_view(metric, sort, filter or [])
-    counts = state_counts(session, user.viewer, text, tag, view=view)
+    counts = state_counts(session, user.viewer, text, tag, view=view, project_id=project_id)
     total = sum(n for s, n in counts.items() if not states or s in states)
     rows = table_page(
         session, user.viewer, states=states, text=text, tag=tag, offset=offset, limit=limit,
-        view=view,
+        view=view, project_id=project_id,
     )  # fmt: skip
     names = page_metric_names(session, [r["id"] for r in rows])
     return TablePage(items=[_row(r) for r in rows], total=total, counts=counts, metric_names=names)  # fmt: skip

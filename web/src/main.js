@@ -9,6 +9,7 @@ import { jobPage } from "./pages/job.js";
 import { comparePage } from "./pages/compare.js";
 import { workersPage } from "./pages/workers.js";
 import { sweepsPage } from "./pages/sweeps.js";
+import { projectPage, projectsPage } from "./pages/projects.js";
 import { loginPage } from "./pages/login.js";
 
 const ROUTES = [
@@ -19,6 +20,8 @@ const ROUTES = [
   // The sweep page (parallel coordinates and all) loads only when first opened.
   [/^\/sweeps\/([0-9a-f]{1,64})$/, async (root, ctx) => (await import("./pages/sweep.js")).sweepPage(root, ctx)],
   [/^\/workers$/, workersPage],
+  [/^\/projects$/, projectsPage],
+  [/^\/projects\/([^/]{1,400})$/, projectPage],
   [/^\/submit$/, async (root, ctx) => (await import("./pages/submit.js")).submitPage(root, ctx)],
 ];
 
@@ -32,13 +35,13 @@ export function navigate(path, { replace: swap = false } = {}) {
 }
 
 function header() {
-  const nav = [["/", "Jobs"], ["/sweeps", "Sweeps"], ["/compare", "Compare"], ["/workers", "Workers"], ["/submit", "Submit"]];
+  const nav = [["/", "Jobs"], ["/sweeps", "Sweeps"], ["/projects", "Projects"], ["/compare", "Compare"], ["/workers", "Workers"], ["/submit", "Submit"]];
   const here = location.pathname;
   return h("header", { class: "top" },
     h("a", { href: "/", "data-link": "", class: "brand" }, "torchyard"),
     h("nav", {}, nav.map(([path, label]) => {
       const a = link(path, label);
-      if (path === here || (path === "/" && here.startsWith("/jobs/")) || (path === "/sweeps" && here.startsWith("/sweeps/"))) a.className = "active";
+      if (path === here || (path === "/" && here.startsWith("/jobs/")) || (path === "/sweeps" && here.startsWith("/sweeps/")) || (path === "/projects" && here.startsWith("/projects/"))) a.className = "active";
       return a;
     })),
     h("span", { class: "who" },

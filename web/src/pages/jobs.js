@@ -9,6 +9,7 @@ import { chosenParamColumns, paramCell, paramColumns, paramNames } from "../para
 import { columnsPanel, columnsQuery, columnsUrl, filterBar, metricColumns, readColumns, sortHead } from "../runcols.js";
 import { JOB_STATES as STATES } from "../states.gen.js";
 import { tagChips } from "./job_organise.js";
+import { projectSelect } from "./projects.js";
 
 const PAGE = 100;
 
@@ -17,6 +18,7 @@ export function jobsPage(root, { search, session, navigate }) {
     states: (search.get("state") || "").split(",").filter((s) => STATES.includes(s)),
     q: search.get("q") || "",
     tag: search.get("tag") || "",
+    project: search.get("project") || "",
     page: Math.max(0, parseInt(search.get("page") || "0", 10) || 0),
     selected: new Set(),
     rows: [],
@@ -36,6 +38,7 @@ export function jobsPage(root, { search, session, navigate }) {
   const filters = h("span", { id: "metric-filters", class: "chips" });
   const pager = h("span", { class: "pager" });
   const tagFilter = h("span", { id: "tag-filter" });
+  const projectFilter = projectSelect(view.project, (name) => { view.project = name; view.page = 0; keepUrl(); load(); });
   const tbody = h("tbody", {});
   const status = h("span", { class: "muted small", id: "live" }, "");
   const before = ["", "name", admin ? "owner" : null, "state", "progress"].filter((x) => x !== null);
@@ -43,7 +46,7 @@ export function jobsPage(root, { search, session, navigate }) {
   const thead = h("thead", {});
   const table = h("table", { class: "jobs", id: "jobs-table" }, thead, tbody);
   replace(root,
-    h("div", { class: "toolbar" }, chips, searchBox, tagFilter, compareBtn, colsBtn, status, pager),
+    h("div", { class: "toolbar" }, chips, searchBox, projectFilter, tagFilter, compareBtn, colsBtn, status, pager),
     h("div", { class: "toolbar" }, filters),
     colsPanel,
     h("div", { class: "table-wrap" }, table));
@@ -53,7 +56,7 @@ export function jobsPage(root, { search, session, navigate }) {
     if (loading) { dirty = true; return; }
     loading = true;
     try {
-      const body = await api("/v1/ui/jobs" + query({ state: view.states.join(","), q: view.q, tag: view.tag, offset: view.page * PAGE, limit: PAGE, ...columnsQuery(cols) }));
+      const body = await api("/v1/ui/jobs" + query({ state: view.states.join(","), q: view.q, tag: view.tag, project: view.project, offset: view.page * PAGE, limit: PAGE, ...columnsQuery(cols) }));
       view.rows = body.items;
       view.metricNames = body.metric_names || [];
       renderChips(body.counts);
@@ -72,7 +75,7 @@ export function jobsPage(root, { search, session, navigate }) {
   const reload = throttle(load, 500);
 
   function keepUrl() {
-    const q = query({ state: view.states.join(","), q: view.q, tag: view.tag, page: view.page || null, ...columnsUrl(cols) });
+    const q = query({ state: view.states.join(","), q: view.q, tag: view.tag, project: view.project, page: view.page || null, ...columnsUrl(cols) });
     history.replaceState(null, "", "/" + q);
   }
 
@@ -111,7 +114,7 @@ export function jobsPage(root, { search, session, navigate }) {
   function renderRows() {
     renderHeads();
     if (!view.rows.length) {
-      const filtered = view.states.length || view.q || view.tag || cols.filters.length;
+      const filtered = view.states.length || view.q || view.tag || cols.filters.length || view.project;
       return replace(tbody, h("tr", { class: "empty" }, h("td", { colspan: before.length + metricColumns(cols).length + 2, class: "muted", id: "no-jobs" },
         filtered ? "No jobs match these filters." : view.page ? "No jobs on this page." : "No jobs yet.")));
     }
