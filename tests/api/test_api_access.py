@@ -49,8 +49,10 @@ def test_the_tables_cover_the_design_routes() -> None:
         ("POST", "/v1/jobs/{job_id}/archive"), ("POST", "/v1/jobs/{job_id}/unarchive"),
     ):  # fmt: skip
         assert (m, p) in ROUTES
-    # the 7 above, the dashboard's stream-start, and the 4 of organising a job
-    assert len(JOB_ROUTES) == 12
+    # the 7 above, the dashboard's stream-start, the 4 of organising a job, and the 2 of its
+    # artifacts (list, download)
+    assert len(JOB_ROUTES) == 14
+    assert ("GET", "/v1/jobs/{job_id}/artifacts/{name}/download") in ROUTES
 
 
 BAD_AUTH = [None, "Bearer ty_not-a-real-token", "Basic YWxpY2U6eA==", "Bearer ", "ty_no-scheme"]
