@@ -5,6 +5,7 @@
 // the jobs table's project filter (projectSelect).
 import { api, ApiError, query, serverNow, stream } from "../api.js";
 import { fmtAge, fmtNum, h, jobStateBadge, link, progressCell, replace, throttle } from "../dom.js";
+import { JOB } from "../states.gen.js";
 
 const JOBS_SHOWN = 20;
 
@@ -39,7 +40,7 @@ export function projectSelect(current, onChange) {
 }
 
 export function projectsPage(root) {
-  const heads = ["project", "your role", "members", "running", "queued", "workers", "worker-hours", "share"];
+  const heads = ["project", "your role", "members", JOB.RUNNING, JOB.QUEUED, "workers", "worker-hours", "share"];
   const tbody = h("tbody", {});
   replace(root,
     h("div", { class: "toolbar" }, h("h2", {}, "Projects")),
@@ -51,7 +52,7 @@ export function projectsPage(root) {
     h("td", { class: "role" }, p.role || h("span", { class: "muted" }, "admin")),
     h("td", { class: "num members" }, String(p.members)),
     h("td", { class: "num running" }, String(p.usage.running)),
-    h("td", { class: "queued" }, ofLimit(p.usage.queued, p.quota.max_queued)),
+    h("td", { class: JOB.QUEUED }, ofLimit(p.usage.queued, p.quota.max_queued)),
     h("td", { class: "workers-used" }, ofLimit(p.usage.workers, p.quota.max_workers)),
     h("td", { class: "num" }, fmtNum(p.usage.worker_hours)),
     h("td", { class: "num" }, fmtNum(p.quota.share)));
