@@ -142,7 +142,7 @@ def test_a_projects_page_shows_members_roles_quota_usage_and_its_jobs(
     assert sorted(owners) == ["max", "max", "olive"]
     keep(page, "project-page")
     page.click("#project-all-jobs")
-    page.wait_for_function("() => document.querySelector('#project-filter').value === 'vision'")
+    page.wait_for_function("() => document.querySelector('#project-filter')?.value === 'vision'")
     _wait_rows(page, 3)
     assert "project=vision" in page.url
     assert _row_ids(page, "#jobs-table") == world.ids("vision-done", "vision-queued", "vision-running")  # fmt: skip
@@ -197,6 +197,6 @@ def test_someone_without_a_role_gets_not_found_for_a_teams_project(
     # the jobs table narrowed to it by hand: the API's 404, and no rows
     page.goto(world.base + "/?project=vision")
     page.wait_for_function(
-        "() => document.querySelector('#live').textContent === 'project not found'"
+        "() => document.querySelector('#live')?.textContent === 'project not found'"
     )
     assert _row_ids(page, "#jobs-table") == set()
