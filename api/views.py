@@ -31,10 +31,6 @@ _JOB_COLUMNS = (
 )  # fmt: skip
 
 
-# A pruned trial is labelled so only while its cancel is what ended it (a trainer that
-# finished first makes it succeeded).
-_PRUNED_STATES = ("cancelling", "cancelled")
-
 _ID = r"[0-9a-f]{32}"
 # Other jobs, as the scheduler and the worker name them: "job <id>", "preempted by <id>",
 # "<id> (priority N)" (store/attempts.py, store/lifecycle.py, scheduler/preemption.py,
@@ -97,7 +93,7 @@ def _summary_fields(
         # progress is the trainer's JSON: anything but an object shows as null
         "progress": progress if isinstance(progress, dict) else None,
         "owner": owner,
-        "pruned": bool(pruned) and get("state") in _PRUNED_STATES,
+        "pruned": bool(pruned),  # store.jobs.pruned_trial
     }
 
 

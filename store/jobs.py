@@ -338,26 +338,30 @@ def list_jobs(
     return page, next_cursor
 
 
+_PRUNED_STATES = (CANCELLING, CANCELLED)
+
+
 def pruned_trial() -> Exists:
-    """The job (correlated: `Job.id`) is a sweep trial its pruner stopped at a rung. Its state
-    is then cancelling or cancelled; lists and pages say `pruned`, and no `job.cancelled`
-    webhook fires for it (the sweep's own event covers its trials)."""
-    # Our constant inline, not a bound parameter: the statement is also compiled once and
+    """The job (correlated: `Job.id`) is a sweep trial its pruner stopped at a rung, and that
+    cancel is what is ending it (cancelling or cancelled: a trainer that finished first
+    makes it succeeded). Lists and pages say `pruned`; no `job.cancelled` webhook fires for
+    it (store/webhooks.py: the sweep's own event covers its trials)."""
+    # Our constants inline, not bound parameters: the statement is also compiled once and
     # run with the viewer's parameters alone (store/asyncreads.py).
     pruned: ColumnElement[str] = literal_column(f"'{TRIAL_PRUNED}'")
-    return exists().where(SweepTrial.job_id == Job.id, SweepTrial.outcome == pruned)
+    ending: list[ColumnElement[str]] = [literal_column(f"'{state}'") for state in _PRUNED_STATES]
+    return exists().where(
+        SweepTrial.job_id == Job.id, SweepTrial.outcome == pruned, Job.state.in_(ending)
+    )
 
 
 def pruned_jobs(session: Session, job_ids: Sequence[str]) -> set[str]:
-    """Which of `job_ids` are pruned trials (a page of a list: one query)."""
+    """Which of `job_ids` are pruned trials, as `pruned_trial` says (a page of a list: one
+    query)."""
     if not job_ids:
         return set()
-    rows = session.scalars(
-        select(SweepTrial.job_id).where(
-            SweepTrial.job_id.in_(list(job_ids)), SweepTrial.outcome == TRIAL_PRUNED
-        )
-    )
-    return {j for j in rows if j is not None}
+    rows = session.scalars(select(Job.id).where(Job.id.in_(list(job_ids)), pruned_trial()))
+    return set(rows)
 
 
 def request_cancel(session: Session, job: Job, *, reason: str = "cancel requested") -> Job:

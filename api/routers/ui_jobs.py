@@ -95,10 +95,9 @@ def _finite(v: float | None) -> float | None:
 def _row(r: dict[str, Any]) -> TableRow:
     progress = r["progress"] if isinstance(r["progress"], dict) else None
     reason = owner_reason(r["pending_reason"], r["id"], r["owner"])  # api/views.py
-    pruned = bool(r["pruned"]) and r["state"] in (JobState.CANCELLING, JobState.CANCELLED)
     return TableRow.model_validate(
         {**r, "progress": progress, "latest": {k: _finite(v) for k, v in r["latest"].items()},
-         "pending_reason": reason, "pruned": pruned, "params": r["params"] or {}}
+         "pending_reason": reason, "pruned": bool(r["pruned"]), "params": r["params"] or {}}
     )  # fmt: skip
 
 

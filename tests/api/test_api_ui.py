@@ -210,18 +210,26 @@ def test_a_pruned_trial_is_labelled_everywhere_a_job_shows(
             max_trials=2, parallel=2, sampler="grid", pruner="asha", seed=0)).id  # fmt: skip
     pruned = factory.job("alice", state="cancelled", sweep_id=sid)
     by_hand = factory.job("alice", state="cancelled", sweep_id=sid)
+    finished_first = factory.job("alice", state="succeeded", sweep_id=sid)  # before the cancel
     with session_scope(db_url) as s:
         s.add(SweepTrial(sweep_id=sid, number=0, job_id=pruned, params={}, outcome="pruned"))
         s.add(SweepTrial(sweep_id=sid, number=1, job_id=by_hand, params={}, outcome="cancelled"))
+        s.add(SweepTrial(sweep_id=sid, number=2, job_id=finished_first, params={},
+                         outcome="pruned"))  # fmt: skip
     table = {j["id"]: j for j in client.get("/v1/ui/jobs", headers=alice).json()["items"]}
     listed = {j["id"]: j for j in client.get("/v1/jobs", headers=alice).json()["items"]}
     for rows in (table, listed):
         assert (rows[pruned]["state"], rows[pruned]["pruned"]) == ("cancelled", True)
         assert (rows[by_hand]["state"], rows[by_hand]["pruned"]) == ("cancelled", False)
+        assert (rows[finished_first]["state"], rows[finished_first]["pruned"]) == (
+            "succeeded",
+            False,
+        )
         assert rows[pruned]["sweep_id"] == rows[by_hand]["sweep_id"] == sid
     job = client.get(f"/v1/jobs/{pruned}", headers=alice).json()
     assert (job["pruned"], job["sweep_id"]) == (True, sid)
     assert client.get(f"/v1/jobs/{by_hand}", headers=alice).json()["pruned"] is False
+    assert client.get(f"/v1/jobs/{finished_first}", headers=alice).json()["pruned"] is False
 
 
 def _spec() -> dict[str, Any]:

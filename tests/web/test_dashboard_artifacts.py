@@ -6,7 +6,6 @@ named .png that holds HTML neither shown nor run, and a job without artifacts sa
 from __future__ import annotations
 
 import hashlib
-import shutil
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -74,20 +73,6 @@ def world(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[World]:
     yield from backend_world(request, tmp_path_factory, "artifacts", World)
-
-
-@pytest.fixture
-def keep(tmp_path: Path, shot: Callable[[Any, str], None]) -> Callable[[Any, str], None]:
-    """keep(page, name): a full-page screenshot in the test's tmp dir, copied to SHOTS."""
-
-    def take(page: Any, name: str) -> None:
-        path = tmp_path / f"{name}.png"
-        page.screenshot(path=str(path), full_page=True)
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, SHOTS / path.name)
-        shot(page, name)
-
-    return take
 
 
 def test_the_job_page_lists_artifacts_downloads_them_and_shows_the_image(
